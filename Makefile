@@ -1,0 +1,31 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv if missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch is pinned to the 2.13.0 CPU build for development and CI (constraints.txt);
+	# pyproject.toml states the supported range.
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/seed_rule.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check funcgrad tests examples benchmarks
+	$(VENV)/bin/ruff format --check funcgrad tests examples benchmarks
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

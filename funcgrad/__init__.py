@@ -1,0 +1,44 @@
+"""funcgrad: pure, compilable per-group gradient rules for PyTorch.
+
+Gradients come from ``torch.func.grad`` over ``functional_call`` parameter dicts,
+are grouped by module, transformed by pure branch-free rules, and fed to a
+functional Adam - one graph under ``torch.compile(fullgraph=True)``.
+
+Example:
+    >>> import torch, funcgrad as fg
+    >>> model = torch.nn.Sequential(torch.nn.Linear(1, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    >>> tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam())
+    >>> loss = lambda p, x: fg.call(model, p, x).sum()
+    >>> params = fg.params(model)
+    >>> params, state, l = fg.make_step(loss, tx)(params, tx.init(params), torch.rand(3, 1))
+"""
+
+from . import rules as rules
+from ._adam import AdamState as AdamState
+from ._adam import adam as adam
+from ._adam import adamw as adamw
+from ._adam import cosine_decay as cosine_decay
+from ._base import ChainState as ChainState
+from ._base import EmptyState as EmptyState
+from ._base import GradientTransformation as GradientTransformation
+from ._base import Params as Params
+from ._base import apply_updates as apply_updates
+from ._base import chain as chain
+from ._base import identity as identity
+from ._base import stateless as stateless
+from ._groups import Groups as Groups
+from ._groups import group_by_module as group_by_module
+from ._model import buffers as buffers
+from ._model import call as call
+from ._model import load_params as load_params
+from ._model import params as params
+from ._step import make_step as make_step
+from ._step import per_sample_grads as per_sample_grads
+from ._transforms import MonitorState as MonitorState
+from ._transforms import PartitionState as PartitionState
+from ._transforms import monitor as monitor
+from ._transforms import partition as partition
+from ._transforms import per_group as per_group
+from ._transforms import set_to_zero as set_to_zero
+
+__version__ = "0.1.0"

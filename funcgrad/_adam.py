@@ -1,0 +1,227 @@
+r"""Functional Adam and AdamW, step-for-step equal to ``torch.optim.Adam`` / ``AdamW``.
+
+With gradient :math:`g_t`, parameters :math:`p`, step :math:`t` (1-based)::
+
+    g_t  <- -g_t                               if maximize
+    g_t  <- g_t + wd * p                       Adam (L2), if wd != 0
+    m_t   = lerp(m_{t-1}, g_t, 1 - b1)         = b1 m + (1 - b1) g
+    v_t   = b2 v_{t-1} + (1 - b2) g_t^2
+    v^_t  = max(v^_{t-1}, v_t)                 if amsgrad, else v_t
+    u_t   = -lr / (1 - b1^t) * m_t / (sqrt(v^_t) / sqrt(1 - b2^t) + eps)
+    u_t  <- u_t - lr * wd * p                  AdamW (decoupled), if wd != 0
+
+The step counter is an int64 0-d tensor and the bias corrections are computed in
+float64 (as torch does in Python doubles), then cast to the parameter dtype: no
+recompiles as the step grows, and no drift from ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple, Union
+
+import torch
+from torch import Tensor
+
+from ._base import GradientTransformation, Params, check_floating
+
+LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
+"""A float, a 0-d tensor (edit it in place to change lr without recompiling), or a
+schedule ``count -> lr`` where ``count`` is the int64 number of steps already taken."""
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam` / :func:`adamw`.
+
+    ``count``: int64 0-d tensor, steps taken. ``mu``/``nu``: first and second moments.
+    ``nu_max``: running max of ``nu`` (``amsgrad``), else an empty dict.
+    """
+
+    count: Tensor
+    mu: dict[str, Tensor]
+    nu: dict[str, Tensor]
+    nu_max: dict[str, Tensor]
+
+
+def _check_hparams(
+    lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or lr.dim() != 0:
+            raise ValueError(
+                f"Invalid learning rate: a tensor lr must be 0-d, got shape {tuple(lr.shape)}."
+            )
+        if not torch.compiler.is_compiling() and not lr.item() >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr.item()}")
+    elif callable(lr):
+        pass
+    elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise TypeError(
+            f"Invalid learning rate: {lr!r}. Use a float, a 0-d tensor, or a schedule "
+            "count -> lr (e.g. fg.cosine_decay(1e-3, 1000))."
+        )
+    elif not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2).")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _adam(
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> GradientTransformation:
+    _check_hparams(lr, betas, eps, weight_decay)
+    b1, b2 = float(betas[0]), float(betas[1])
+    name = "adamw" if decoupled else "adam"
+
+    def init(params: Params) -> AdamState:
+        check_floating(params, f"fg.{name}.init")
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        return AdamState(
+            count=torch.zeros((), dtype=torch.int64, device=device),
+            mu={k: torch.zeros_like(p) for k, p in params.items()},
+            nu={k: torch.zeros_like(p) for k, p in params.items()},
+            nu_max={k: torch.zeros_like(p) for k, p in params.items()} if amsgrad else {},
+        )
+
+    def update(
+        grads: Params, state: AdamState, params: Params | None = None
+    ) -> tuple[Params, AdamState]:
+        if not isinstance(state, AdamState):
+            raise TypeError(
+                f"fg.{name}.update expected an AdamState, got {type(state).__name__}. "
+                f"Build the state with the same transformation's init(params)."
+            )
+        if state.mu.keys() != grads.keys() or bool(state.nu_max) != amsgrad:
+            raise KeyError(
+                f"fg.{name}.update: the state was made for parameters {sorted(state.mu)}"
+                f"{' (with amsgrad)' if state.nu_max else ''}, but the gradients are for "
+                f"{sorted(grads)}{' (with amsgrad)' if amsgrad else ''}. Was the state "
+                "built by another transformation or for another model?"
+            )
+        if weight_decay != 0.0 and params is None:
+            raise ValueError(
+                f"fg.{name}(weight_decay={weight_decay}) needs the parameters: call "
+                "tx.update(grads, state, params)."
+            )
+        count = state.count + 1
+        t = count.to(torch.float64)
+        # Bias corrections in float64, like torch.optim's Python doubles.
+        bc1 = 1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64, device=t.device), t)
+        bc2 = 1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=t.device), t)
+        lr_t = lr(state.count) if callable(lr) and not isinstance(lr, Tensor) else lr
+        if isinstance(lr_t, Tensor):
+            lr_t = lr_t.to(device=t.device, dtype=torch.float64)
+        step_size = lr_t / bc1
+        bc2_sqrt = torch.sqrt(bc2)
+
+        updates: Params = {}
+        mu: Params = {}
+        nu: Params = {}
+        nu_max: Params = {}
+        for k, g in grads.items():
+            dt = g.dtype
+            if maximize:
+                g = -g
+            if weight_decay != 0.0 and not decoupled:
+                assert params is not None
+                g = g + weight_decay * params[k]
+            m = torch.lerp(state.mu[k], g, 1.0 - b1)
+            v = state.nu[k] * b2 + (1.0 - b2) * (g * g)
+            mu[k], nu[k] = m, v
+            if amsgrad:
+                v = torch.maximum(state.nu_max[k], v)
+                nu_max[k] = v
+            denom = torch.sqrt(v) / bc2_sqrt.to(dt) + eps
+            u = m / denom * (-step_size).to(dt)
+            if weight_decay != 0.0 and decoupled:
+                assert params is not None
+                u = u - (lr_t * weight_decay) * params[k]
+            updates[k] = u
+        return updates, AdamState(count, mu, nu, nu_max)
+
+    return GradientTransformation(init, update)
+
+
+def adam(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adam, equal step for step to ``torch.optim.Adam`` with the same arguments.
+
+    ``weight_decay`` is the L2 penalty added to the gradient (as in torch); see
+    :func:`adamw` for decoupled decay. The update rule is in this module's docstring.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.adam(lr=0.1)
+        >>> params = {"w": torch.tensor([1.0, -1.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params)
+        >>> fg.apply_updates(params, updates), int(state.count)
+        ({'w': tensor([ 0.9000, -0.9000])}, 1)
+    """
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+
+
+def adamw(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """AdamW, equal step for step to ``torch.optim.AdamW`` with the same arguments.
+
+    Decoupled weight decay: ``p <- p - lr * weight_decay * p`` besides the Adam step.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.adamw(lr=0.1, weight_decay=0.5)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> updates, _ = tx.update({"w": torch.tensor([2.0])}, tx.init(params), params)
+        >>> fg.apply_updates(params, updates)  # 1 - 0.1 * 0.5 * 1 - 0.1
+        {'w': tensor([0.8500])}
+    """
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+
+
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Callable[[Tensor], Tensor]:
+    """A cosine schedule ``count -> lr`` made of tensor ops (no recompiles per step).
+
+    ``lr = init_value * ((1 - alpha) * (1 + cos(pi * min(count, decay_steps) / decay_steps)) / 2 + alpha)``
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> sched = fg.cosine_decay(1.0, 10)
+        >>> [round(float(sched(torch.tensor(c))), 3) for c in (0, 5, 10, 20)]
+        [1.0, 0.5, 0.0, 0.0]
+    """
+    if not decay_steps > 0:
+        raise ValueError(f"cosine_decay: decay_steps must be > 0, got {decay_steps}.")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"cosine_decay: alpha must be in [0, 1], got {alpha}.")
+
+    def schedule(count: Tensor) -> Tensor:
+        frac = torch.clamp(count.to(torch.float64), max=decay_steps) / decay_steps
+        cos = 0.5 * (1.0 + torch.cos(math.pi * frac))
+        return init_value * ((1.0 - alpha) * cos + alpha)
+
+    return schedule

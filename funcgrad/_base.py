@@ -1,0 +1,184 @@
+"""The core abstraction: a gradient transformation is a pair of pure functions.
+
+Following optax, a transformation never mutates anything. ``init`` builds a state
+pytree from the parameters, ``update`` maps ``(grads, state, params)`` to
+``(updates, new_state)``. Optimizers are chains of such transformations, and the
+caller adds the final updates to the parameters with :func:`apply_updates`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+"""Flat dict of tensors, keyed exactly as ``model.named_parameters()``."""
+
+State = Any
+"""A pytree of tensors (NamedTuples, tuples and dicts of tensors)."""
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> State: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, grads: Params, state: State, params: Params | None = None
+    ) -> tuple[Params, State]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions ``(init, update)``.
+
+    ``init(params) -> state`` and ``update(grads, state, params=None) -> (updates,
+    new_state)``. Neither mutates its inputs, so both can be traced by
+    ``torch.compile(fullgraph=True)`` and composed with ``torch.func`` transforms.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> double = fg.GradientTransformation(
+        ...     init=lambda params: fg.EmptyState(),
+        ...     update=lambda grads, state, params=None: (
+        ...         {k: 2 * g for k, g in grads.items()}, state),
+        ... )
+        >>> updates, _ = double.update({"w": torch.ones(2)}, double.init({}))
+        >>> updates["w"]
+        tensor([2., 2.])
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def stateless(fn: Callable[[Params, Params | None], Params]) -> GradientTransformation:
+    """Wrap ``fn(grads, params) -> updates`` as a transformation with an empty state.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> neg = fg.stateless(lambda grads, params: {k: -g for k, g in grads.items()})
+        >>> neg.update({"w": torch.ones(1)}, neg.init({}))[0]
+        {'w': tensor([-1.])}
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(
+        grads: Params, state: State, params: Params | None = None
+    ) -> tuple[Params, State]:
+        return fn(grads, params), state
+
+    return GradientTransformation(init, update)
+
+
+def identity() -> GradientTransformation:
+    """A transformation that passes gradients through unchanged.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> fg.identity().update({"w": torch.ones(1)}, fg.EmptyState())[0]
+        {'w': tensor([1.])}
+    """
+    return stateless(lambda grads, params: grads)
+
+
+class ChainState(NamedTuple):
+    """The state of :func:`chain`: one inner state per transformation, in order."""
+
+    inner_states: tuple[State, ...]
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` one after the other; each sees the previous one's updates.
+
+    Args:
+        *transforms: the transformations, applied left to right.
+
+    Returns:
+        A transformation whose state is a :class:`ChainState`.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> groups = fg.Groups({"fc": ("fc.weight",)})
+        >>> tx = fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.1))
+        >>> params = {"fc.weight": torch.zeros(2)}
+        >>> updates, state = tx.update({"fc.weight": torch.zeros(2)}, tx.init(params), params)
+        >>> updates["fc.weight"]  # all-zero group -> grads of 1.0 -> Adam's first step is -lr
+        tensor([-0.1000, -0.1000])
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain() argument {i} is a {type(t).__name__}, not a "
+                "GradientTransformation. Pass transformations such as fg.adam(...) or "
+                "fg.per_group(rule, groups); to use a bare rule, wrap it with "
+                "fg.per_group(rule, groups)."
+            )
+
+    def init(params: Params) -> ChainState:
+        return ChainState(tuple(t.init(params) for t in transforms))
+
+    def update(
+        grads: Params, state: ChainState, params: Params | None = None
+    ) -> tuple[Params, ChainState]:
+        if not isinstance(state, ChainState) or len(state.inner_states) != len(transforms):
+            raise TypeError(
+                "chain(...).update got a state that chain(...).init did not make "
+                f"(got {type(state).__name__}). Build the state with tx.init(params) "
+                "from the same transformation."
+            )
+        new_states = []
+        for t, s in zip(transforms, state.inner_states, strict=True):
+            grads, s = t.update(grads, s, params)
+            new_states.append(s)
+        return grads, ChainState(tuple(new_states))
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
+    """Return ``params + updates`` entry by entry, as a new dict (pure).
+
+    Each update is cast to its parameter's dtype, so a float32 update of a bfloat16
+    parameter stays bfloat16.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> fg.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
+        {'w': tensor([1.5000, 0.0000])}
+    """
+    if params.keys() != updates.keys():
+        missing = sorted(params.keys() - updates.keys())
+        extra = sorted(updates.keys() - params.keys())
+        raise KeyError(
+            "apply_updates: params and updates must have the same names. "
+            f"Missing from updates: {missing}; not in params: {extra}. Pass the updates "
+            "returned by tx.update(grads, state, params) for these same params."
+        )
+    return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
+
+
+def check_floating(tree: Mapping[str, Tensor], what: str) -> None:
+    """Raise a clear error unless every value is a real floating-point tensor."""
+    for name, t in tree.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"{what}: '{name}' is a {type(t).__name__}, not a torch.Tensor. "
+                "funcgrad works on flat dicts of tensors such as fg.params(model)."
+            )
+        if not torch.is_floating_point(t):
+            raise TypeError(
+                f"{what}: '{name}' has dtype {t.dtype}; gradients and optimizer "
+                "states need a real floating-point dtype (float16/bfloat16/float32/"
+                "float64). Integer tensors cannot be trained; complex parameters are "
+                "not supported - store them as real pairs with torch.view_as_real."
+            )
