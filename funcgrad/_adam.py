@@ -27,8 +27,10 @@ from torch import Tensor
 from ._base import GradientTransformation, Params, check_floating
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
-"""A float, a 0-d tensor (edit it in place to change lr without recompiling), or a
-schedule ``count -> lr`` where ``count`` is the int64 number of steps already taken."""
+"""A float, a 0-d tensor (edit it in place to change lr without recompiling; use
+float64 to match torch.optim exactly, since float32 cannot hold 0.02), or a schedule
+``count -> lr`` where ``count`` is the number of steps already taken, as a float64
+0-d tensor (0 on the first step, like ``LambdaLR``'s epoch)."""
 
 
 class AdamState(NamedTuple):
@@ -122,7 +124,9 @@ def _adam(
         # Bias corrections in float64, like torch.optim's Python doubles.
         bc1 = 1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64, device=t.device), t)
         bc2 = 1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=t.device), t)
-        lr_t = lr(state.count) if callable(lr) and not isinstance(lr, Tensor) else lr
+        # Schedules see the steps taken so far as a float64 0-d tensor, so that
+        # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
+        lr_t = lr(state.count.to(torch.float64)) if callable(lr) and not isinstance(lr, Tensor) else lr
         if isinstance(lr_t, Tensor):
             lr_t = lr_t.to(device=t.device, dtype=torch.float64)
         step_size = lr_t / bc1

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._base import EmptyState, GradientTransformation, Params, State, check_floating
 from ._groups import Groups, as_groups
-from .rules import all_zero, any_nonfinite, check_same_structure, group_norm, zero_count
+from .rules import all_zero, any_nonfinite, check_is_rule, check_same_structure, group_norm, zero_count
 
 
 def per_group(
@@ -37,11 +37,7 @@ def per_group(
         >>> tx.update(grads, tx.init(grads))[0]  # fc2 is in no group: untouched
         {'fc1.weight': tensor([1., 1.]), 'fc1.bias': tensor([1.]), 'fc2.weight': tensor([0.])}
     """
-    if not callable(rule):
-        raise TypeError(
-            f"per_group: rule must be callable, got {rule!r}. Did you mean "
-            "fg.rules.zero_fix() (with the parentheses)?"
-        )
+    check_is_rule(rule, "per_group: rule")
     if isinstance(rule, GradientTransformation):
         raise TypeError(
             "per_group: rule is a GradientTransformation; per_group takes a rule "

@@ -17,6 +17,7 @@ Any callable ``group -> group`` is a rule; the classes here only add a readable
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Mapping
 
 import torch
@@ -302,6 +303,22 @@ def clip_norm(max_norm: float) -> Rule:
 # ------------------------------------------------------------------ combinators
 
 
+def check_is_rule(fn: object, what: str) -> None:
+    """Reject non-callables and un-called factories such as ``rules.zero_fix``."""
+    factory = (
+        isinstance(fn, types.FunctionType)
+        and fn.__module__ == __name__
+        and fn.__name__ in __all__
+    )
+    if factory or not callable(fn):
+        name = getattr(fn, "__name__", repr(fn))
+        raise TypeError(
+            f"{what} must be a rule or condition, got {fn!r}. Did you pass "
+            f"rules.{name} instead of rules.{name}(...)? The functions in fg.rules "
+            "build rules; call them first."
+        )
+
+
 def check_same_structure(before: Group, after: Mapping[str, Tensor], who: object) -> None:
     """A rule must return the same keys, shapes and dtypes it was given."""
     if not isinstance(after, Mapping) or after.keys() != before.keys():
@@ -342,11 +359,7 @@ def when(
     """
     other = identity() if otherwise is None else otherwise
     for what, fn in (("condition", condition), ("then", then), ("otherwise", other)):
-        if not callable(fn):
-            raise TypeError(
-                f"when: {what} must be callable (a condition or rule from fg.rules), "
-                f"got {fn!r}. Did you pass rules.all_zero instead of rules.all_zero()?"
-            )
+        check_is_rule(fn, f"when: {what}")
     name = f"when({condition!r}, {then!r}, otherwise={other!r})"
 
     def rule(g: Group) -> dict[str, Tensor]:

@@ -1,0 +1,162 @@
+"""fg.adam / fg.adamw against torch.optim.Adam / AdamW, step by step."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+from conftest import check_compiles
+
+import funcgrad as fg
+
+SHAPES = {"a.weight": (5, 3), "a.bias": (5,), "b.weight": (2, 5), "scalar": ()}
+
+
+def init_params(dtype):
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()}
+
+
+def grads_at(params, step):
+    """Gradients that depend on the current params (so drift would compound) and
+    include exact zeros and tiny values."""
+    g = torch.Generator().manual_seed(100 + step)
+    out = {}
+    for k, p in params.items():
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+        gr = torch.sin(3 * p) + 0.1 * noise
+        if p.dim():
+            gr.view(-1)[0] = 0.0
+        out[k] = gr
+    return out
+
+
+def run_both(make_fg, make_torch, dtype, steps=50, schedule=None):
+    params = init_params(dtype)
+    leaves = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    opt = make_torch(list(leaves.values()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
+    tx = make_fg()
+    state = tx.init(params)
+    for step in range(steps):
+        grads = grads_at(params, step)
+        tgrads = grads_at({k: p.detach() for k, p in leaves.items()}, step)
+        updates, state = tx.update(grads, state, params)
+        params = fg.apply_updates(params, updates)
+        for k, p in leaves.items():
+            p.grad = tgrads[k]
+        opt.step()
+        if sched:
+            sched.step()
+    return params, {k: p.detach() for k, p in leaves.items()}, state
+
+
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-6, atol=1e-6)}
+OPTIONS = list(itertools.product([0.0, 0.1], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("wd", "amsgrad", "maximize"), OPTIONS)
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_matches_torch_optim(dtype, wd, amsgrad, maximize, decoupled):
+    kw = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd, amsgrad=amsgrad, maximize=maximize)
+    fg_opt, torch_opt = (fg.adamw, torch.optim.AdamW) if decoupled else (fg.adam, torch.optim.Adam)
+    ours, theirs, state = run_both(lambda: fg_opt(**kw), lambda ps: torch_opt(ps, **kw), dtype)
+    assert state.count.dtype == torch.int64 and int(state.count) == 50
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **TOL[dtype])
+
+
+def test_default_hyperparameters_match():
+    ours, theirs, _ = run_both(fg.adamw, lambda ps: torch.optim.AdamW(ps), torch.float64)
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_tensor_lr_and_schedule(dtype):
+    lr = torch.tensor(0.02, dtype=torch.float64)  # a float32 0.02 is not 0.02
+    ours, theirs, _ = run_both(lambda: fg.adam(lr=lr), lambda ps: torch.optim.Adam(ps, lr=0.02), dtype)
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **TOL[dtype])
+
+    # A schedule receives the number of steps already taken, like LambdaLR's epoch.
+    def factor(c):
+        return 1.0 / (1.0 + c)
+
+    ours, theirs, _ = run_both(
+        lambda: fg.adam(lr=lambda count: 0.05 * factor(count)),
+        lambda ps: torch.optim.Adam(ps, lr=0.05),
+        dtype,
+        schedule=factor,
+    )
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **TOL[dtype])
+
+
+def test_cosine_schedule_matches_torch_cosine_annealing():
+    sched = fg.cosine_decay(0.1, 30)
+    ours, theirs, _ = run_both(
+        lambda: fg.adam(lr=sched),
+        lambda ps: torch.optim.Adam(ps, lr=0.1),
+        torch.float64,
+        steps=40,
+        schedule=lambda c: float(fg.cosine_decay(1.0, 30)(torch.tensor(c))),
+    )
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **TOL[torch.float64])
+
+
+def test_bfloat16_state_keeps_dtype():
+    params = {k: v.to(torch.bfloat16) for k, v in init_params(torch.float32).items()}
+    tx = fg.adamw(lr=0.1, amsgrad=True)
+    updates, state = tx.update(grads_at(params, 0), tx.init(params), params)
+    for k, p in params.items():
+        assert updates[k].dtype == state.mu[k].dtype == state.nu_max[k].dtype == torch.bfloat16
+
+
+def test_update_compiles_once_over_steps():
+    params = init_params(torch.float32)
+    lr = torch.tensor(0.01)
+    for tx in (fg.adam(lr=lr, weight_decay=0.1, amsgrad=True), fg.adamw(lr=fg.cosine_decay(0.1, 5))):
+        state = tx.init(params)
+        arg_sets = []
+        for step in range(3):
+            grads = grads_at(params, step)
+            arg_sets.append((grads, state, params))
+            _, state = tx.update(grads, state, params)
+        check_compiles(tx.update, *arg_sets, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+        (dict(lr=torch.tensor(-0.5)), "Invalid learning rate: -0.5"),
+        (dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0: 1.0"),
+        (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1: -0.1"),
+        (dict(eps=-1e-8), "Invalid epsilon value: -1e-08"),
+        (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, message):
+    for factory in (fg.adam, fg.adamw):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            factory(**kwargs)
+
+
+def test_state_and_param_errors():
+    params = init_params(torch.float32)
+    tx = fg.adam()
+    with pytest.raises(KeyError, match=re.escape("the state was made for parameters")):
+        tx.update({"other": torch.ones(1)}, tx.init(params))
+    with pytest.raises(TypeError, match=re.escape("fg.adam.update expected an AdamState")):
+        tx.update(params, fg.EmptyState())
+    with pytest.raises(ValueError, match=re.escape("needs the parameters")):
+        fg.adam(weight_decay=0.1).update(params, tx.init(params))
+    with pytest.raises(TypeError, match=re.escape("'n' has dtype torch.int64")):
+        tx.init({"n": torch.ones(2, dtype=torch.int64)})
+    with pytest.raises(TypeError, match=re.escape("complex parameters are not supported")):
+        tx.init({"z": torch.ones(2, dtype=torch.complex64)})

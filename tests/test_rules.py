@@ -1,0 +1,182 @@
+"""Rules against plain eager references written with Python if/else."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from conftest import check_compiles
+
+from funcgrad import rules
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def make_group(kind: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 4, generator=g).to(dtype)
+    b = torch.randn(4, generator=g).to(dtype)
+    if kind == "all_zero":
+        w, b = torch.zeros_like(w), -torch.zeros_like(b)  # -0.0 counts as zero
+    elif kind == "some_zero":
+        w[0, 1] = 0.0
+        w[2, 3] = -0.0
+        b[1] = 0.0
+    elif kind == "one_nonzero":
+        w, b = torch.zeros_like(w), torch.zeros_like(b)
+        b[3] = 1e-3
+    elif kind == "nonfinite":
+        w[1, 1] = float("nan")
+        b[0] = float("inf")
+    return {"fc.weight": w, "fc.bias": b}
+
+
+KINDS = ["all_zero", "some_zero", "one_nonzero", "none_zero", "nonfinite"]
+
+
+def ref_zero_fix(group, all_zero=1.0, zero=0.5):
+    """The seed's rule, written the obvious (host-branching) way."""
+    if all(bool((t == 0).all()) for t in group.values()):
+        return {k: torch.full_like(t, all_zero) for k, t in group.items()}
+    out = {}
+    for k, t in group.items():
+        t = t.clone()
+        flat = t.view(-1)
+        for i in range(flat.numel()):
+            if flat[i].item() == 0.0:
+                flat[i] = zero
+        out[k] = t
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_fix_matches_eager_reference(kind, dtype):
+    group = make_group(kind, dtype)
+    got = rules.zero_fix()(group)
+    want = ref_zero_fix(group)
+    for k in group:
+        assert got[k].dtype == dtype and got[k].shape == group[k].shape
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True)
+        assert not (got[k] == 0).any()
+
+
+def test_zero_fix_custom_values():
+    group = make_group("some_zero", torch.float64)
+    torch.testing.assert_close(
+        rules.zero_fix(all_zero=2.0, zero=-1.0)(group), ref_zero_fix(group, 2.0, -1.0)
+    )
+    z = make_group("all_zero", torch.float64)
+    torch.testing.assert_close(
+        rules.zero_fix(all_zero=2.0, zero=-1.0)(z), ref_zero_fix(z, 2.0, -1.0)
+    )
+
+
+def _py_norm(group):
+    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in group.values()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_conditions_match_python(kind):
+    group = make_group(kind, torch.float64)
+    vals = [v for t in group.values() for v in t.flatten().tolist()]
+    zeros = sum(v == 0 for v in vals)
+    assert bool(rules.all_zero()(group)) == (zeros == len(vals))
+    assert bool(rules.any_zero()(group)) == (zeros > 0)
+    assert bool(rules.any_nonfinite()(group)) == any(not math.isfinite(v) for v in vals)
+    for p in (0.0, 0.1, 0.5, 0.99):
+        assert bool(rules.zero_fraction_above(p)(group)) == (zeros / len(vals) > p)
+    n = _py_norm(group) if kind != "nonfinite" else 0.0
+    if n > 0:
+        assert bool(rules.norm_above(n * 0.999)(group))
+        assert not bool(rules.norm_above(n * 1.001)(group))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_actions_keep_dtype_and_match_reference(dtype):
+    group = make_group("nonfinite", dtype)
+    out = rules.replace_nonfinite(7.0)(group)
+    for k, t in group.items():
+        want = t.clone()
+        want[~torch.isfinite(t)] = 7.0
+        torch.testing.assert_close(out[k], want, rtol=0, atol=0)
+    group = make_group("some_zero", dtype)
+    for rule, ref in [
+        (rules.fill(3.0), lambda t: torch.full_like(t, 3.0)),
+        (rules.scale(-2.0), lambda t: t * -2.0),
+        (rules.identity(), lambda t: t),
+        (rules.replace_zeros(0.25), lambda t: torch.where(t == 0, 0.25, t)),
+    ]:
+        out = rule(group)
+        for k, t in group.items():
+            assert out[k].dtype == dtype
+            torch.testing.assert_close(out[k], ref(t), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [0.1, 1.0, 100.0])
+def test_clip_norm_matches_torch_clip_grad_norm(max_norm):
+    group = make_group("none_zero", torch.float64)
+    got = rules.clip_norm(max_norm)(group)
+    ps = [torch.nn.Parameter(t.clone()) for t in group.values()]
+    for p, t in zip(ps, group.values(), strict=True):
+        p.grad = t.clone()
+    torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    for (k, _), p in zip(group.items(), ps, strict=True):
+        torch.testing.assert_close(got[k], p.grad, rtol=1e-12, atol=0)
+
+
+def test_when_equals_if_else_and_condition_operators():
+    then, other = rules.fill(9.0), rules.scale(2.0)
+    cond = rules.any_zero() & ~rules.all_zero()
+    assert repr(cond) == "(any_zero() & ~all_zero())"
+    for kind in KINDS:
+        group = make_group(kind, torch.float32)
+        c = bool(rules.any_zero()(group)) and not bool(rules.all_zero()(group))
+        want = then(group) if c else other(group)
+        got = rules.when(cond, then, otherwise=other)(group)
+        for k in group:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True)
+
+
+def test_rules_compile_to_one_graph():
+    rule = rules.when(
+        rules.any_nonfinite() | rules.norm_above(100.0),
+        rules.replace_nonfinite(0.0),
+        otherwise=rules.zero_fix(),
+    )
+    sets = [(make_group(k, torch.float32),) for k in KINDS]
+    check_compiles(rule, *sets)
+    check_compiles(rules.clip_norm(0.5), *sets[:3], rtol=1e-6, atol=1e-7)
+    check_compiles(lambda g: rules.zero_fraction_above(0.3)(g), *sets)
+
+
+def test_bad_hyperparameters_raise_clearly():
+    with pytest.raises(ValueError, match=re.escape("clip_norm: max_norm must be > 0, got -1.0.")):
+        rules.clip_norm(-1.0)
+    with pytest.raises(ValueError, match=re.escape("zero_fraction_above: p must be in [0, 1)")):
+        rules.zero_fraction_above(1.0)
+    with pytest.raises(TypeError, match=re.escape("fill: value must be a real number, got '1'.")):
+        rules.fill("1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape("replace_zeros: value must be finite")):
+        rules.replace_zeros(float("nan"))
+    with pytest.raises(ValueError, match=re.escape("norm_above: x must be >= 0")):
+        rules.norm_above(-1)
+    with pytest.raises(TypeError, match=re.escape("Did you pass rules.fill instead of rules.fill(...)?")):
+        rules.when(rules.all_zero(), rules.fill)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=re.escape("when: condition must be a rule or condition")):
+        rules.when(rules.all_zero, rules.fill(1.0))  # type: ignore[arg-type]
+
+
+def test_when_rejects_rules_that_change_structure():
+    group = make_group("some_zero", torch.float32)
+    bad_keys = rules.when(rules.all_zero(), lambda g: {"x": g["fc.bias"]})
+    with pytest.raises(ValueError, match=re.escape("must return a dict with the same keys")):
+        bad_keys(group)
+    bad_dtype = rules.when(rules.all_zero(), lambda g: {k: t.double() for k, t in g.items()})
+    with pytest.raises(ValueError, match=re.escape("changed 'fc.weight' from (3, 4) torch.float32")):
+        bad_dtype(group)
+    not_bool = rules.when(lambda g: True, rules.identity())
+    with pytest.raises(ValueError, match=re.escape("must return a 0-d bool tensor")):
+        not_bool(group)
