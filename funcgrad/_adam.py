@@ -126,7 +126,9 @@ def _adam(
         bc2 = 1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=t.device), t)
         # Schedules see the steps taken so far as a float64 0-d tensor, so that
         # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
-        lr_t = lr(state.count.to(torch.float64)) if callable(lr) and not isinstance(lr, Tensor) else lr
+        lr_t = (
+            lr(state.count.to(torch.float64)) if callable(lr) and not isinstance(lr, Tensor) else lr
+        )
         if isinstance(lr_t, Tensor):
             lr_t = lr_t.to(device=t.device, dtype=torch.float64)
         step_size = lr_t / bc1
@@ -207,10 +209,15 @@ def adamw(
     return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
 
 
-def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Callable[[Tensor], Tensor]:
+def cosine_decay(
+    init_value: float, decay_steps: int, alpha: float = 0.0
+) -> Callable[[Tensor], Tensor]:
     """A cosine schedule ``count -> lr`` made of tensor ops (no recompiles per step).
 
-    ``lr = init_value * ((1 - alpha) * (1 + cos(pi * min(count, decay_steps) / decay_steps)) / 2 + alpha)``
+    With ``c = min(count, decay_steps) / decay_steps``:
+    ``lr = init_value * ((1 - alpha) * (1 + cos(pi * c)) / 2 + alpha)``: the closed form
+    of ``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)`` up to
+    ``decay_steps``, then constant at ``alpha * init_value``.
 
     Example:
         >>> import torch, funcgrad as fg

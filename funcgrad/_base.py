@@ -72,9 +72,7 @@ def stateless(fn: Callable[[Params, Params | None], Params]) -> GradientTransfor
         del params
         return EmptyState()
 
-    def update(
-        grads: Params, state: State, params: Params | None = None
-    ) -> tuple[Params, State]:
+    def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
         return fn(grads, params), state
 
     return GradientTransformation(init, update)

@@ -61,9 +61,7 @@ class Groups(Mapping[str, tuple[str, ...]]):
         try:
             return self._data[key]
         except KeyError:
-            raise KeyError(
-                f"No group named '{key}'. Known groups: {list(self._data)}."
-            ) from None
+            raise KeyError(f"No group named '{key}'. Known groups: {list(self._data)}.") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)
@@ -91,8 +89,7 @@ class Groups(Mapping[str, tuple[str, ...]]):
         unknown = [g for g in group_names if g not in self._data]
         if unknown:
             raise KeyError(
-                f"Groups.select: no group named {unknown}. Known groups: "
-                f"{list(self._data)}."
+                f"Groups.select: no group named {unknown}. Known groups: {list(self._data)}."
             )
         return Groups({g: self._data[g] for g in group_names})
 
@@ -181,4 +178,3 @@ def group_by_module(
         key = owner if depth is None else ".".join(owner.split(".")[:depth])
         groups.setdefault(key, []).append(name)
     return Groups(groups)
-

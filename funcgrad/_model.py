@@ -154,4 +154,16 @@ def call(
     tensors = dict(params)
     if buffers is not None:
         tensors.update(buffers)
-    return functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
+    try:
+        return functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
+    except RuntimeError as err:
+        if "mutate a captured Tensor" not in str(err):
+            raise
+        raise RuntimeError(
+            "fg.call: the model wrote to one of its buffers in place during a torch.func "
+            "transform (grad/vmap). That is what BatchNorm does in train mode to its "
+            "running statistics, and torch.func cannot differentiate through it. Use "
+            "model.eval() for the functional step, or remove the running statistics "
+            "with torch.func.replace_all_batch_norm_modules_(model) (batch statistics "
+            f"are then always used).\nOriginal error: {err}"
+        ) from err

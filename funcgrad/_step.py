@@ -208,11 +208,13 @@ def make_step(
         updates, new_state = tx.update(grads, state, params)
         new_params = apply_updates(params, updates)
         if donate:
-            for old, new in zip(leaves((params, state)), leaves((new_params, new_state)), strict=True):
+            for old, new in zip(
+                leaves((params, state)), leaves((new_params, new_state)), strict=True
+            ):
                 old.copy_(new)
             new_params, new_state = params, state
         out = (new_params, new_state, loss.detach())
-        return out + (aux,) if has_aux else out
+        return (*out, aux) if has_aux else out
 
     impl = torch.compile(step_impl, fullgraph=True) if compile else step_impl
     checked: set[tuple[Any, ...]] = set()

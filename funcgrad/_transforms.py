@@ -10,7 +10,14 @@ from torch import Tensor
 
 from ._base import EmptyState, GradientTransformation, Params, State, check_floating
 from ._groups import Groups, as_groups
-from .rules import all_zero, any_nonfinite, check_is_rule, check_same_structure, group_norm, zero_count
+from .rules import (
+    all_zero,
+    any_nonfinite,
+    check_is_rule,
+    check_same_structure,
+    group_norm,
+    zero_count,
+)
 
 
 def per_group(
@@ -50,9 +57,7 @@ def per_group(
         check_floating({n: params[n] for names in groups.values() for n in names}, "per_group.init")
         return EmptyState()
 
-    def update(
-        grads: Params, state: State, params: Params | None = None
-    ) -> tuple[Params, State]:
+    def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
         groups.check_against(grads, "per_group.update")
         out = dict(grads)
         for names in groups.values():
@@ -88,7 +93,8 @@ def partition(
         >>> tx = fg.partition({"train": fg.adam(lr=0.1), "frozen": fg.set_to_zero()},
         ...                   {"w": "train", "b": "frozen"})
         >>> params = {"w": torch.zeros(1), "b": torch.zeros(1)}
-        >>> updates, _ = tx.update({"w": torch.ones(1), "b": torch.ones(1)}, tx.init(params), params)
+        >>> grads = {"w": torch.ones(1), "b": torch.ones(1)}
+        >>> updates, _ = tx.update(grads, tx.init(params), params)
         >>> updates
         {'w': tensor([-0.1000]), 'b': tensor([0.])}
     """
@@ -215,7 +221,10 @@ def monitor(
     def init(params: Params) -> MonitorState:
         groups.check_against(params, "monitor.init")
         return MonitorState(
-            {g: compute({n: torch.zeros_like(params[n]) for n in names}) for g, names in groups.items()}
+            {
+                g: compute({n: torch.zeros_like(params[n]) for n in names})
+                for g, names in groups.items()
+            }
         )
 
     def update(

@@ -306,9 +306,7 @@ def clip_norm(max_norm: float) -> Rule:
 def check_is_rule(fn: object, what: str) -> None:
     """Reject non-callables and un-called factories such as ``rules.zero_fix``."""
     factory = (
-        isinstance(fn, types.FunctionType)
-        and fn.__module__ == __name__
-        and fn.__name__ in __all__
+        isinstance(fn, types.FunctionType) and fn.__module__ == __name__ and fn.__name__ in __all__
     )
     if factory or not callable(fn):
         name = getattr(fn, "__name__", repr(fn))
@@ -331,9 +329,7 @@ def check_same_structure(before: Group, after: Mapping[str, Tensor], who: object
     for k, t in before.items():
         u = after[k]
         if not isinstance(u, Tensor) or u.shape != t.shape or u.dtype != t.dtype:
-            desc = (
-                f"{tuple(u.shape)} {u.dtype}" if isinstance(u, Tensor) else type(u).__name__
-            )
+            desc = f"{tuple(u.shape)} {u.dtype}" if isinstance(u, Tensor) else type(u).__name__
             raise ValueError(
                 f"Rule {who!r} changed '{k}' from {tuple(t.shape)} {t.dtype} to {desc}. "
                 "Rules must keep each gradient's shape and dtype; cast with "

@@ -16,7 +16,9 @@ SHAPES = {"a.weight": (5, 3), "a.bias": (5,), "b.weight": (2, 5), "scalar": ()}
 
 def init_params(dtype):
     g = torch.Generator().manual_seed(0)
-    return {k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()}
+    return {
+        k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()
+    }
 
 
 def grads_at(params, step):
@@ -61,7 +63,9 @@ OPTIONS = list(itertools.product([0.0, 0.1], [False, True], [False, True]))
 @pytest.mark.parametrize(("wd", "amsgrad", "maximize"), OPTIONS)
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_matches_torch_optim(dtype, wd, amsgrad, maximize, decoupled):
-    kw = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd, amsgrad=amsgrad, maximize=maximize)
+    kw = dict(
+        lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd, amsgrad=amsgrad, maximize=maximize
+    )
     fg_opt, torch_opt = (fg.adamw, torch.optim.AdamW) if decoupled else (fg.adam, torch.optim.Adam)
     ours, theirs, state = run_both(lambda: fg_opt(**kw), lambda ps: torch_opt(ps, **kw), dtype)
     assert state.count.dtype == torch.int64 and int(state.count) == 50
@@ -78,7 +82,9 @@ def test_default_hyperparameters_match():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_tensor_lr_and_schedule(dtype):
     lr = torch.tensor(0.02, dtype=torch.float64)  # a float32 0.02 is not 0.02
-    ours, theirs, _ = run_both(lambda: fg.adam(lr=lr), lambda ps: torch.optim.Adam(ps, lr=0.02), dtype)
+    ours, theirs, _ = run_both(
+        lambda: fg.adam(lr=lr), lambda ps: torch.optim.Adam(ps, lr=0.02), dtype
+    )
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], **TOL[dtype])
 
@@ -113,14 +119,17 @@ def test_bfloat16_state_keeps_dtype():
     params = {k: v.to(torch.bfloat16) for k, v in init_params(torch.float32).items()}
     tx = fg.adamw(lr=0.1, amsgrad=True)
     updates, state = tx.update(grads_at(params, 0), tx.init(params), params)
-    for k, p in params.items():
+    for k in params:
         assert updates[k].dtype == state.mu[k].dtype == state.nu_max[k].dtype == torch.bfloat16
 
 
 def test_update_compiles_once_over_steps():
     params = init_params(torch.float32)
     lr = torch.tensor(0.01)
-    for tx in (fg.adam(lr=lr, weight_decay=0.1, amsgrad=True), fg.adamw(lr=fg.cosine_decay(0.1, 5))):
+    for tx in (
+        fg.adam(lr=lr, weight_decay=0.1, amsgrad=True),
+        fg.adamw(lr=fg.cosine_decay(0.1, 5)),
+    ):
         state = tx.init(params)
         arg_sets = []
         for step in range(3):

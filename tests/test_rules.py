@@ -163,7 +163,9 @@ def test_bad_hyperparameters_raise_clearly():
         rules.replace_zeros(float("nan"))
     with pytest.raises(ValueError, match=re.escape("norm_above: x must be >= 0")):
         rules.norm_above(-1)
-    with pytest.raises(TypeError, match=re.escape("Did you pass rules.fill instead of rules.fill(...)?")):
+    with pytest.raises(
+        TypeError, match=re.escape("Did you pass rules.fill instead of rules.fill(...)?")
+    ):
         rules.when(rules.all_zero(), rules.fill)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=re.escape("when: condition must be a rule or condition")):
         rules.when(rules.all_zero, rules.fill(1.0))  # type: ignore[arg-type]
@@ -175,7 +177,9 @@ def test_when_rejects_rules_that_change_structure():
     with pytest.raises(ValueError, match=re.escape("must return a dict with the same keys")):
         bad_keys(group)
     bad_dtype = rules.when(rules.all_zero(), lambda g: {k: t.double() for k, t in g.items()})
-    with pytest.raises(ValueError, match=re.escape("changed 'fc.weight' from (3, 4) torch.float32")):
+    with pytest.raises(
+        ValueError, match=re.escape("changed 'fc.weight' from (3, 4) torch.float32")
+    ):
         bad_dtype(group)
     not_bool = rules.when(lambda g: True, rules.identity())
     with pytest.raises(ValueError, match=re.escape("must return a 0-d bool tensor")):
