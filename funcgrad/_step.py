@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
 from ._base import GradientTransformation, Params, State, apply_updates
-from ._tree import leaves
+from ._tree import copy_into, leaves, leaves_with_paths
 
 LossFn = Callable[..., Any]
 
@@ -106,26 +106,22 @@ def _meta(tree: Any) -> Any:
 def _check_donation(params: Params, state: State) -> None:
     seen: dict[int, str] = {}
     for where, tree in (("params", params), ("state", state)):
-        paths, leaves, _ = optree.tree_flatten_with_path(tree)
-        for path, t in zip(paths, leaves, strict=True):
-            if not isinstance(t, Tensor):
-                continue
-            label = f"{where}{''.join(f'[{p!r}]' for p in path)}"
+        for path, t in leaves_with_paths(tree, where):
             if t.requires_grad:
                 raise ValueError(
-                    f"make_step(donate=True): {label} requires grad, so it cannot be "
+                    f"make_step(donate=True): {path} requires grad, so it cannot be "
                     "updated in place. Pass fg.params(model) (detached) rather than "
                     "dict(model.named_parameters())."
                 )
             key = t.untyped_storage().data_ptr()
             if t.numel() and key in seen:
                 raise ValueError(
-                    f"make_step(donate=True): {label} shares memory with {seen[key]}. "
+                    f"make_step(donate=True): {path} shares memory with {seen[key]}. "
                     "Donated tensors are written in place, so they must not be views of "
                     "each other; clone one of them (or tie the weights in the module and "
                     "take fg.params(model), which lists a tied parameter once)."
                 )
-            seen[key] = label
+            seen[key] = path
 
 
 def make_step(
@@ -133,7 +129,7 @@ def make_step(
     tx: GradientTransformation,
     *,
     has_aux: bool = False,
-    compile: bool = False,
+    compile: bool | dict[str, Any] = False,
     donate: bool = False,
     per_sample: GradientTransformation | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
@@ -148,7 +144,8 @@ def make_step(
             ``has_aux``).
         tx: the transformation, e.g. ``fg.chain(fg.per_group(rule, groups), fg.adam())``.
         has_aux: the step returns ``(params, state, loss, aux)``.
-        compile: wrap the step in ``torch.compile(fullgraph=True)``.
+        compile: wrap the step in ``torch.compile(fullgraph=True)``; a dict adds
+            other ``torch.compile`` options, e.g. ``{"backend": "aot_eager"}``.
         donate: write the new params and state into the given tensors in place and
             return those same tensors, so ``fg.params(model)`` keeps the module live.
         per_sample: a stateless transformation (e.g. ``fg.per_group(rule, groups)``)
@@ -208,15 +205,15 @@ def make_step(
         updates, new_state = tx.update(grads, state, params)
         new_params = apply_updates(params, updates)
         if donate:
-            for old, new in zip(
-                leaves((params, state)), leaves((new_params, new_state)), strict=True
-            ):
-                old.copy_(new)
+            copy_into((params, state), (new_params, new_state))
             new_params, new_state = params, state
         out = (new_params, new_state, loss.detach())
         return (*out, aux) if has_aux else out
 
-    impl = torch.compile(step_impl, fullgraph=True) if compile else step_impl
+    if isinstance(compile, dict):
+        impl = torch.compile(step_impl, **{**compile, "fullgraph": True})
+    else:
+        impl = torch.compile(step_impl, fullgraph=True) if compile else step_impl
     checked: set[tuple[Any, ...]] = set()
 
     def step(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:

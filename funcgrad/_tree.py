@@ -1,9 +1,10 @@
 """Tiny pytree helpers that torch.compile traces without graph breaks.
 
-optree is used for structure checks outside compiled code. Inside a traced step,
-dynamo's optree polyfill cannot flatten NamedTuples created during tracing
-("Unexpected type in sourceless builder", torch 2.13), so the step walks its
-containers with plain Python, which dynamo unrolls for free.
+Inside a traced step, dynamo's optree polyfill cannot flatten NamedTuples created
+during tracing ("Unexpected type in sourceless builder", torch 2.13), so the step
+walks its containers with plain Python, which dynamo unrolls for free. Dicts are
+walked in insertion order (optree would sort their keys), so error messages name
+entries in the user's order.
 """
 
 from __future__ import annotations
@@ -14,19 +15,35 @@ from typing import Any
 from torch import Tensor
 
 
-def leaves(tree: Any) -> list[Tensor]:
-    """Tensors of ``tree`` in a deterministic order (dicts by insertion order)."""
-    out: list[Tensor] = []
-    _collect(tree, out)
+def leaves_with_paths(tree: Any, prefix: str = "") -> list[tuple[str, Tensor]]:
+    """``(path, tensor)`` pairs, e.g. ``("[1].mu['fc1.weight']", t)``."""
+    if isinstance(tree, Tensor):
+        return [(prefix, tree)]
+    out: list[tuple[str, Tensor]] = []
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            out += leaves_with_paths(v, f"{prefix}[{k!r}]")
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        for k, v in zip(tree._fields, tree, strict=True):
+            out += leaves_with_paths(v, f"{prefix}.{k}")
+    elif isinstance(tree, (tuple, list)):
+        for i, v in enumerate(tree):
+            out += leaves_with_paths(v, f"{prefix}[{i}]")
     return out
 
 
-def _collect(tree: Any, out: list[Tensor]) -> None:
-    if isinstance(tree, Tensor):
-        out.append(tree)
-    elif isinstance(tree, Mapping):
-        for v in tree.values():
-            _collect(v, out)
-    elif isinstance(tree, (tuple, list)):
-        for v in tree:
-            _collect(v, out)
+def leaves(tree: Any) -> list[Tensor]:
+    """The tensors of ``tree`` in a deterministic order."""
+    return [t for _, t in leaves_with_paths(tree)]
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """``dst.copy_(src)`` leaf by leaf, matching dict entries by key (not position)."""
+    if isinstance(dst, Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, Mapping):
+        for k, v in dst.items():
+            copy_into(v, src[k])
+    elif isinstance(dst, (tuple, list)):
+        for a, b in zip(dst, src, strict=True):
+            copy_into(a, b)

@@ -1,0 +1,181 @@
+"""make_step end to end: against torch.optim + an eager rule, eager vs compiled,
+donated vs not, and its errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import SeedModel, assert_one_graph, assert_trees_close, seed_loss
+from test_rules import ref_zero_fix
+from torch._dynamo.utils import counters
+
+import funcgrad as fg
+
+
+def dead_seed_model(dtype=torch.float64) -> SeedModel:
+    """The seed model with fc1 dead (all its grads are exactly zero) and fc2 partly
+    dead, so both branches of the rule are taken every step."""
+    torch.manual_seed(3)
+    m = SeedModel().to(dtype)
+    with torch.no_grad():
+        m.fc1.bias.fill_(-10.0)  # ReLU(fc1(x)) == 0 for x in [0, 1): fc1 gets no gradient
+        m.fc1.weight.fill_(0.5)
+    return m
+
+
+def reference_run(model: SeedModel, x: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
+    """torch.optim.Adam, with the intended rule applied to .grad by a plain loop."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    layers = {"fc1": model.fc1, "fc2": model.fc2, "fc3": model.fc3}
+    for _ in range(steps):
+        opt.zero_grad()
+        seed_loss(model)(dict(model.named_parameters()), x).backward()
+        for lname, layer in layers.items():
+            group = {n: p.grad for n, p in layer.named_parameters()}
+            fixed = ref_zero_fix(group)
+            for n, p in layer.named_parameters():
+                p.grad = fixed[n]
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make(model, **kw):
+    groups = fg.group_by_module(model)
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=1e-2))
+    return tx, fg.make_step(seed_loss(model), tx, **kw)
+
+
+def test_eager_step_equals_torch_optim_with_the_rule():
+    x = torch.rand(3, 1, dtype=torch.float64)
+    ref_model, model = dead_seed_model(), dead_seed_model()
+    want = reference_run(ref_model, x, 20)
+    tx, step = make(model)
+    params = fg.params(model)
+    state = tx.init(params)
+    for _ in range(20):
+        params, state, _ = step(params, state, x)
+    for k in want:
+        torch.testing.assert_close(params[k], want[k], rtol=1e-10, atol=1e-12)
+    assert int(state.inner_states[1].count) == 20
+
+
+@pytest.fixture(scope="module")
+def compiled_seed():
+    """One inductor-compiled donated step, shared by the tests below (compiling is
+    the slow part on 2 cores)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = dead_seed_model(torch.float32)
+    tx, step = make(model, compile=True, donate=True)
+    return model, tx, step
+
+
+def test_compiled_donated_equals_eager_and_compiles_once(compiled_seed):
+    model, tx, step = compiled_seed
+    eager_model = dead_seed_model(torch.float32)
+    etx, estep = make(eager_model)
+    x = torch.rand(3, 1)
+    params, state = fg.params(model), tx.init(fg.params(model))
+    eparams, estate = fg.params(eager_model), etx.init(fg.params(eager_model))
+    state_leaves = [t for t in state.inner_states[1].mu.values()]
+    for i in range(20):
+        xi = x + 0.01 * i
+        out = step(params, state, xi)
+        eparams, estate, eloss = estep(eparams, estate, xi)
+        assert out[0] is params and out[1] is state  # donated: the same tensors back
+        assert_trees_close((params, state, out[2]), (eparams, estate, eloss), rtol=1e-6, atol=1e-6)
+    assert_one_graph()
+    # The module sees every update: fg.params(model) shares storage with it.
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == params[n].data_ptr()
+        torch.testing.assert_close(p.detach(), eparams[n], rtol=1e-6, atol=1e-6)
+    assert all(a is b for a, b in zip(state.inner_states[1].mu.values(), state_leaves, strict=True))
+    # fc1 really was all-zero, and the rule made it move.
+    assert not torch.equal(params["fc1.bias"], torch.full((2,), -10.0))
+
+
+def test_donated_equals_not_donated():
+    x = torch.rand(3, 1, dtype=torch.float64)
+    a, b = dead_seed_model(), dead_seed_model()
+    txa, stepa = make(a, donate=True)
+    txb, stepb = make(b, donate=False)
+    pa, pb = fg.params(a), fg.params(b)
+    sa, sb = txa.init(pa), txb.init(pb)
+    for _ in range(5):
+        pa, sa, la = stepa(pa, sa, x)
+        pb, sb, lb = stepb(pb, sb, x)
+        assert_trees_close((pa, sa, la), (pb, sb, lb))
+    # Not donated: the module did not move.
+    assert torch.equal(b.fc2.weight, dead_seed_model().fc2.weight)
+
+
+def test_lr_schedule_and_tensor_lr_do_not_recompile():
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Linear(4, 2)
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    for opt in (fg.adam(lr=fg.cosine_decay(0.1, 200)), fg.adamw(lr=lr)):
+        torch._dynamo.reset()
+        counters.clear()
+        params = {k: v.clone() for k, v in fg.params(model).items()}
+        state = opt.init(params)
+        step = fg.make_step(
+            lambda p, x: fg.call(model, p, x).square().mean(),
+            opt,
+            compile={"backend": "aot_eager"},
+            donate=True,
+        )
+        x = torch.randn(8, 4)
+        for i in range(200):
+            if i == 100:
+                lr.fill_(0.01)  # edited in place: read by the graph, no recompile
+            step(params, state, x)
+        assert_one_graph()
+        assert int(state.count) == 200
+
+
+def test_has_aux():
+    model = torch.nn.Linear(2, 1)
+
+    def loss(p, x):
+        out = fg.call(model, p, x)
+        return out.square().mean(), {"mean_out": out.mean()}
+
+    tx = fg.adam()
+    p = fg.params(model)
+    p2, s, l, aux = fg.make_step(loss, tx, has_aux=True)(p, tx.init(p), torch.ones(3, 2))
+    torch.testing.assert_close(aux["mean_out"], model(torch.ones(3, 2)).mean().detach())
+    torch.testing.assert_close(l, model(torch.ones(3, 2)).square().mean().detach())
+
+
+def test_step_errors_before_tracing():
+    torch._dynamo.reset()
+    counters.clear()
+    model = SeedModel()
+    tx, step = make(model, compile={"backend": "aot_eager"}, donate=True)
+    params = fg.params(model)
+    state = tx.init(params)
+    x = torch.rand(3, 1)
+    with pytest.raises(TypeError, match=re.escape("cannot be called with params and 2 batch argument(s)")):
+        step(params, state, x, x)
+    with pytest.raises(TypeError, match=re.escape("cannot be called with params and 0 batch argument(s)")):
+        step(params, state)
+    other = fg.adam()
+    with pytest.raises(TypeError, match=re.escape("chain(...).update got a state that chain(...).init did not make")):
+        step(params, other.init(params), x)
+    with pytest.raises(KeyError, match=re.escape("the state was made for parameters")):
+        small = {"fc1.weight": params["fc1.weight"]}
+        bad_state = fg.chain(fg.per_group(fg.rules.identity(), {}), fg.adam(lr=1e-2)).init(small)
+        step(params, bad_state, x)
+    with pytest.raises(ValueError, match=re.escape("requires grad, so it cannot be updated in place")):
+        step(dict(model.named_parameters()), state, x)
+    aliased = dict(params)
+    aliased["fc2.bias"] = params["fc2.weight"][0]
+    with pytest.raises(ValueError, match=re.escape("params['fc2.bias'] shares memory with params['fc2.weight']")):
+        step(aliased, state, x)
+    with pytest.raises(TypeError, match=re.escape("make_step: tx must be a GradientTransformation")):
+        fg.make_step(seed_loss(model), fg.rules.zero_fix())  # type: ignore[arg-type]
+    # Nothing above reached the compiler.
+    assert counters["stats"]["unique_graphs"] == 0
