@@ -28,11 +28,11 @@ def dead_seed_model(dtype=torch.float64) -> SeedModel:
 def reference_run(model: SeedModel, x: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
     """torch.optim.Adam, with the intended rule applied to .grad by a plain loop."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    layers = {"fc1": model.fc1, "fc2": model.fc2, "fc3": model.fc3}
+    layers = [model.fc1, model.fc2, model.fc3]
     for _ in range(steps):
         opt.zero_grad()
         seed_loss(model)(dict(model.named_parameters()), x).backward()
-        for lname, layer in layers.items():
+        for layer in layers:
             group = {n: p.grad for n, p in layer.named_parameters()}
             fixed = ref_zero_fix(group)
             for n, p in layer.named_parameters():
@@ -145,9 +145,9 @@ def test_has_aux():
 
     tx = fg.adam()
     p = fg.params(model)
-    p2, s, l, aux = fg.make_step(loss, tx, has_aux=True)(p, tx.init(p), torch.ones(3, 2))
+    _, _, loss_value, aux = fg.make_step(loss, tx, has_aux=True)(p, tx.init(p), torch.ones(3, 2))
     torch.testing.assert_close(aux["mean_out"], model(torch.ones(3, 2)).mean().detach())
-    torch.testing.assert_close(l, model(torch.ones(3, 2)).square().mean().detach())
+    torch.testing.assert_close(loss_value, model(torch.ones(3, 2)).square().mean().detach())
 
 
 def test_step_errors_before_tracing():
@@ -158,24 +158,37 @@ def test_step_errors_before_tracing():
     params = fg.params(model)
     state = tx.init(params)
     x = torch.rand(3, 1)
-    with pytest.raises(TypeError, match=re.escape("cannot be called with params and 2 batch argument(s)")):
+    with pytest.raises(
+        TypeError, match=re.escape("cannot be called with params and 2 batch argument(s)")
+    ):
         step(params, state, x, x)
-    with pytest.raises(TypeError, match=re.escape("cannot be called with params and 0 batch argument(s)")):
+    with pytest.raises(
+        TypeError, match=re.escape("cannot be called with params and 0 batch argument(s)")
+    ):
         step(params, state)
     other = fg.adam()
-    with pytest.raises(TypeError, match=re.escape("chain(...).update got a state that chain(...).init did not make")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("chain(...).update got a state that chain(...).init did not make"),
+    ):
         step(params, other.init(params), x)
     with pytest.raises(KeyError, match=re.escape("the state was made for parameters")):
         small = {"fc1.weight": params["fc1.weight"]}
         bad_state = fg.chain(fg.per_group(fg.rules.identity(), {}), fg.adam(lr=1e-2)).init(small)
         step(params, bad_state, x)
-    with pytest.raises(ValueError, match=re.escape("requires grad, so it cannot be updated in place")):
+    with pytest.raises(
+        ValueError, match=re.escape("requires grad, so it cannot be updated in place")
+    ):
         step(dict(model.named_parameters()), state, x)
     aliased = dict(params)
     aliased["fc2.bias"] = params["fc2.weight"][0]
-    with pytest.raises(ValueError, match=re.escape("params['fc2.bias'] shares memory with params['fc2.weight']")):
+    with pytest.raises(
+        ValueError, match=re.escape("params['fc2.bias'] shares memory with params['fc2.weight']")
+    ):
         step(aliased, state, x)
-    with pytest.raises(TypeError, match=re.escape("make_step: tx must be a GradientTransformation")):
+    with pytest.raises(
+        TypeError, match=re.escape("make_step: tx must be a GradientTransformation")
+    ):
         fg.make_step(seed_loss(model), fg.rules.zero_fix())  # type: ignore[arg-type]
     # Nothing above reached the compiler.
     assert counters["stats"]["unique_graphs"] == 0
