@@ -1,0 +1,269 @@
+"""Step-time, update-time, compile-time and memory benchmarks, side by side in one run.
+
+Every figure that matters is a ratio between variants measured in the same process,
+interleaved round-robin and summarised by the median of repeats, because these
+machines are shared and noisy. Absolute times are printed only for context.
+
+Variants of a training step (MLP 256-512-512-512-10 batch 64, and a small CNN):
+  (a) hook      the published tensor-hook answer + torch.optim.Adam
+  (b) eager     a correct eager rule on .grad + torch.optim.Adam(foreach=True)
+  (c) fg-eager  funcgrad make_step, eager, donated
+  (d) fg-comp   funcgrad make_step, compiled + donated
+  fwd+bwd       torch.compile of the gradient computation alone (the floor)
+
+Update-heavy (about 32M parameters in 8 layers, 30% zero gradients, loss sum(p * G)):
+  fg-comp       funcgrad compiled + donated, with the rule and Adam
+  fused         loss.backward() + torch.optim.Adam(fused=True), no rule at all
+  foreach+rule  loss.backward() + the correct eager rule + torch.optim.Adam(foreach=True)
+
+Run: python benchmarks/bench_step.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import funcgrad as fg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from hook_answer import attach_hook_answer  # noqa: E402
+
+RULE = fg.rules.zero_fix()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, number: int) -> dict[str, float]:
+    """Median seconds per call of each fn, timed round-robin so drift hits all alike."""
+    for f in fns.values():  # warm-up (and compile)
+        for _ in range(3):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(number):
+                f()
+            times[name].append((time.perf_counter() - t) / number)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+        nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10),
+    )  # fmt: skip
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
+    )  # fmt: skip
+
+
+def eager_rule_on_grads(model: nn.Module, groups: fg.Groups) -> None:
+    """The correct rule for torch.optim users: after backward, per group, on .grad."""
+    named = dict(model.named_parameters())
+    for names in groups.values():
+        fixed = RULE({n: named[n].grad for n in names})
+        for n in names:
+            named[n].grad = fixed[n]
+
+
+def step_variants(make_model: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor):
+    """The five step variants on identical copies of one model."""
+    torch.manual_seed(0)
+    base = make_model()
+    types = (nn.Linear, nn.Conv2d)
+
+    def clone() -> nn.Module:
+        m = make_model()
+        m.load_state_dict(base.state_dict())
+        return m
+
+    def ce(m):
+        return lambda p, x, y: nn.functional.cross_entropy(fg.call(m, p, x), y)
+
+    fns: dict[str, Callable[[], object]] = {}
+
+    m_hook = clone()
+    attach_hook_answer(m_hook, types)
+    opt_hook = torch.optim.Adam(m_hook.parameters())
+
+    def hook_step():
+        opt_hook.zero_grad()
+        nn.functional.cross_entropy(m_hook(x), y).backward()
+        opt_hook.step()
+
+    fns["(a) hook"] = hook_step
+
+    m_eager = clone()
+    g_eager = fg.group_by_module(m_eager, types=types)
+    opt_eager = torch.optim.Adam(m_eager.parameters(), foreach=True)
+
+    def eager_step():
+        opt_eager.zero_grad()
+        nn.functional.cross_entropy(m_eager(x), y).backward()
+        eager_rule_on_grads(m_eager, g_eager)
+        opt_eager.step()
+
+    fns["(b) eager"] = eager_step
+
+    compile_s = 0.0
+    for name, compiled in (("(c) fg-eager", False), ("(d) fg-comp", True)):
+        m = clone()
+        groups = fg.group_by_module(m, types=types)
+        tx = fg.chain(fg.per_group(RULE, groups), fg.adam())
+        params = fg.params(m)
+        state = tx.init(params)
+        step = fg.make_step(ce(m), tx, compile=compiled, donate=True)
+        if compiled:
+            t = time.perf_counter()
+            step(params, state, x, y)
+            compile_s = time.perf_counter() - t
+        fns[name] = lambda step=step, params=params, state=state: step(params, state, x, y)
+
+    m_g = clone()
+    p_g = fg.params(m_g)
+    fwdbwd = torch.compile(torch.func.grad_and_value(ce(m_g)), fullgraph=True)
+    fns["fwd+bwd"] = lambda: fwdbwd(p_g, x, y)
+    return fns, compile_s
+
+
+def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
+    """A model whose loss is sum(p * G): the backward is trivial, the update is all."""
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    G = {}
+    for name, p in model.named_parameters():
+        g = torch.randn(p.shape, generator=gen)
+        g[torch.rand(p.shape, generator=gen) < 0.3] = 0.0
+        G[name] = g
+    if variant == "fg-comp":
+        groups = fg.group_by_module(model)
+        tx = fg.chain(fg.per_group(RULE, groups), fg.adam())
+        params = fg.params(model)
+        state = tx.init(params)
+
+        def loss_fn(p):
+            return sum((p[k] * G[k]).sum() for k in p)
+
+        step = fg.make_step(loss_fn, tx, compile=True, donate=True)
+        return lambda: step(params, state)
+    fused = variant == "fused"
+    opt = torch.optim.Adam(model.parameters(), fused=fused, foreach=not fused)
+    groups = fg.group_by_module(model)
+    named = dict(model.named_parameters())
+
+    def torch_step():
+        opt.zero_grad()
+        sum((named[k] * G[k]).sum() for k in named).backward()
+        if not fused:
+            eager_rule_on_grads(model, groups)
+        opt.step()
+
+    return torch_step
+
+
+UPDATE_VARIANTS = ("fg-comp", "fused", "foreach+rule")
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_child(variant: str, layers: int, width: int) -> None:
+    """Peak RSS added by the first three steps of one variant (own process)."""
+    fn = update_heavy_setup(variant, layers, width)
+    before = rss_mib()
+    for _ in range(3):
+        fn()
+    print(json.dumps({"variant": variant, "setup_mib": before, "extra_mib": rss_mib() - before}))
+
+
+def compile_child() -> None:
+    """Cold compile time of the MLP step (inductor's caches disabled by the parent)."""
+    torch.manual_seed(0)
+    _, compile_s = step_variants(mlp, torch.randn(64, 256), torch.randint(0, 10, (64,)))
+    print(json.dumps({"compile_s": compile_s}))
+
+
+def run_child(*args: str, env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, check=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="funcgrad step benchmarks")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and a smaller update model")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--child", choices=["memory", "compile"], help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    layers, width = (8, 1024) if args.quick else (8, 2048)
+    if args.child == "memory":
+        return memory_child(args.variant, layers, width)
+    if args.child == "compile":
+        return compile_child()
+
+    repeats, number = (5, 10) if args.quick else (9, 20)
+    results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU"]
+
+    for name, make, x, y in (
+        ("mlp", mlp, torch.randn(64, 256), torch.randint(0, 10, (64,))),
+        ("cnn", cnn, torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))),
+    ):
+        fns, compile_s = step_variants(make, x, y)
+        t = interleaved(fns, repeats, number)
+        results[name] = {"seconds": t, "compile_s_warm_cache": compile_s}
+        lines.append(f"\n{name} step (median of {repeats}x{number}; ratio vs (a) hook)")
+        for k, v in t.items():
+            lines.append(f"  {k:14s} {v * 1e3:8.3f} ms   {v / t['(a) hook']:5.2f}x")
+        over = t["(d) fg-comp"] / t["fwd+bwd"]
+        results[name]["overhead_vs_fwd_bwd"] = over
+        lines.append(f"  overhead: (d) / compiled fwd+bwd = {over:.2f}x (target <= 1.15)")
+        lines.append(f"  (d) / (a) = {t['(d) fg-comp'] / t['(a) hook']:.2f}x (target <= 0.6)")
+
+    fns = {v: update_heavy_setup(v, layers, width) for v in UPDATE_VARIANTS}
+    t = interleaved(fns, max(3, repeats // 2), 3)
+    nparams = layers * width * width
+    results["update_heavy"] = {"params": nparams, "seconds": t}
+    lines.append(f"\nupdate-heavy step, {nparams / 1e6:.1f}M params, 30% zero grads")
+    for k, v in t.items():
+        lines.append(f"  {k:14s} {v * 1e3:8.2f} ms   {v / t['fused']:5.2f}x vs fused (no rule)")
+
+    lines.append("\npeak extra memory of the first 3 steps (own process, MiB above setup)")
+    results["memory_mib"] = {}
+    for v in UPDATE_VARIANTS:
+        r = run_child("--child", "memory", "--variant", v, *(["--quick"] if args.quick else []))
+        results["memory_mib"][v] = r["extra_mib"]
+        lines.append(f"  {v:14s} {r['extra_mib']:8.1f} MiB")
+
+    cold = run_child("--child", "compile", env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    results["mlp_compile_s_cold"] = cold["compile_s"]
+    lines.append(f"\nMLP step compile time, cold caches: {cold['compile_s']:.1f} s (target < 20 s)")
+
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_step.json").write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out / 'bench_step.json'}")
+
+
+if __name__ == "__main__":
+    main()
