@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from hook_answer import attach_hook_answer  # the published answer, re-implemented
 from torch import nn
 
 import funcgrad as fg
-
-from hook_answer import attach_hook_answer  # the published answer, re-implemented
 
 
 class Model(nn.Module):

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
 from ._base import GradientTransformation, Params, State, apply_updates
-from ._tree import copy_into, leaves, leaves_with_paths
+from ._tree import copy_into, leaves_with_paths
 
 LossFn = Callable[..., Any]
 
@@ -219,8 +219,8 @@ def make_step(
     def step(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
         # Python-side checks, once per distinct input structure: cheap on the hot path
         # and always before torch.compile starts tracing.
-        spec = optree.tree_structure((params, state))
-        key = (spec, tuple(id(t) for t in leaves((params, state))) if donate else (), len(batch))
+        flat, spec = optree.tree_flatten((params, state))  # one C++ call
+        key = (spec, tuple(map(id, flat)) if donate else (), len(batch))
         if key not in checked:
             if sig is not None:
                 try:

@@ -32,11 +32,6 @@ def leaves_with_paths(tree: Any, prefix: str = "") -> list[tuple[str, Tensor]]:
     return out
 
 
-def leaves(tree: Any) -> list[Tensor]:
-    """The tensors of ``tree`` in a deterministic order."""
-    return [t for _, t in leaves_with_paths(tree)]
-
-
 def copy_into(dst: Any, src: Any) -> None:
     """``dst.copy_(src)`` leaf by leaf, matching dict entries by key (not position)."""
     if isinstance(dst, Tensor):
