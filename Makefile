@@ -26,6 +26,7 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_per_sample.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -32,6 +32,9 @@ from ._model import buffers as buffers
 from ._model import call as call
 from ._model import load_params as load_params
 from ._model import params as params
+from ._noise import AddNoiseState as AddNoiseState
+from ._noise import add_noise as add_noise
+from ._noise import clip_by_global_norm as clip_by_global_norm
 from ._step import make_step as make_step
 from ._step import per_sample_grads as per_sample_grads
 from ._transforms import MonitorState as MonitorState

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, check_floating
+from ._fusion import realize
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
 """A float, a 0-d tensor (edit it in place to change lr without recompiling; use
@@ -46,27 +47,13 @@ class AdamState(NamedTuple):
     nu_max: dict[str, Tensor]
 
 
-def _realize(x: Tensor) -> Tensor:
-    """Return ``x`` unchanged, computed once into a buffer of its own under inductor.
-
-    Inductor inlines cheap 0-d pointwise math into every consumer loop, and the C++
-    compiler cannot hoist it out (the loop also writes through other pointers). The
-    Adam scalars (two ``pow``, a ``sqrt``, divisions in float64) were then recomputed
-    for every vector of every parameter: the 660k-parameter MLP update took 1.9 ms
-    instead of 0.6 ms. A reduction over more than
-    ``torch._inductor.config.unroll_reductions_threshold`` (8) elements is always
-    realized, and the max of 16 copies of a value is that value, bit for bit.
-    """
-    return x.unsqueeze(-1).expand(*x.shape, 16).amax(-1)
-
-
 def _bias_scalars(count: Tensor, lr: Tensor, b1: float, b2: float) -> Tensor:
     """``[lr / (1 - b1^t), 1 / sqrt(1 - b2^t)]`` in float64 for ``t = count``, as torch
     computes them in Python doubles."""
     t = count.to(torch.float64)
     bc1 = 1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64, device=t.device), t)
     bc2 = 1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=t.device), t)
-    return _realize(torch.stack([lr / bc1, 1.0 / torch.sqrt(bc2)]))
+    return realize(torch.stack([lr / bc1, 1.0 / torch.sqrt(bc2)]))
 
 
 def _check_hparams(

@@ -122,6 +122,28 @@ def load_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
                 target.copy_(value)
 
 
+PER_SAMPLE_BATCHNORM = (
+    "Per-sample gradients on a model with BatchNorm in train mode: batch statistics "
+    "mix the samples, so per-sample gradients are meaningless (and each sample alone "
+    "is a batch of one). Call model.eval() before taking per-sample gradients, or use "
+    "a per-sample normalization (GroupNorm/LayerNorm)."
+)
+
+
+def _under_vmap() -> bool:
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
+def _check_not_per_sample_batchnorm(model: nn.Module) -> None:
+    if _under_vmap() and any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
+    ):
+        raise RuntimeError(f"fg.call: {PER_SAMPLE_BATCHNORM}")
+
+
 def call(
     model: nn.Module,
     params: Mapping[str, Tensor],
@@ -151,6 +173,7 @@ def call(
         # Name checks are plain Python; under torch.compile they would only be traced
         # once anyway, and the eager path catches mistakes first.
         check_names(model, params, "fg.call")
+        _check_not_per_sample_batchnorm(model)
     tensors = dict(params)
     if buffers is not None:
         tensors.update(buffers)

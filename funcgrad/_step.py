@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
 from ._base import GradientTransformation, Params, State, apply_updates
+from ._model import PER_SAMPLE_BATCHNORM
 from ._tree import copy_into, leaves_with_paths
 
 LossFn = Callable[..., Any]
@@ -52,13 +53,7 @@ def _explain_vmap_error(err: Exception) -> Exception | None:
     if "Expected more than 1 value per channel when training" in msg or (
         "vmap" in msg and "running_mean" in msg
     ):
-        return RuntimeError(
-            "Per-sample gradients failed on a BatchNorm layer in train mode: batch "
-            "statistics mix the samples, so per-sample gradients are meaningless. "
-            "Put the model in eval mode (model.eval()) for per-sample gradients, or "
-            "use a per-sample normalization (GroupNorm/LayerNorm).\n"
-            f"Original error: {msg}"
-        )
+        return RuntimeError(f"{PER_SAMPLE_BATCHNORM}\nOriginal error: {msg}")
     return None
 
 
@@ -188,16 +183,16 @@ def make_step(
             return grads, loss, aux
         ps_state = per_sample.init(params)
 
-        def one(p: Params, *sample: Tensor) -> tuple[Params, Any]:
-            out = loss_fn(p, *(s.unsqueeze(0) for s in sample))
-            return out if has_aux else (out, None)
+        def one(p: Params, *sample: Tensor) -> Any:
+            return loss_fn(p, *(s.unsqueeze(0) for s in sample))
 
         def one_grad(p: Params, *sample: Tensor) -> tuple[Params, Any]:
-            g, (loss, aux) = grad_and_value(one, has_aux=True)(p, *sample)
+            g, out = grad_and_value(one, has_aux=has_aux)(p, *sample)
             g, _ = per_sample.update(g, ps_state, p)
-            return g, (loss, aux)
+            return g, out
 
-        g, (losses, aux) = vmap(one_grad, in_dims=(None,) + (0,) * len(batch))(params, *batch)
+        g, out = vmap(one_grad, in_dims=(None,) + (0,) * len(batch))(params, *batch)
+        losses, aux = out if has_aux else (out, None)
         return {k: v.mean(0) for k, v in g.items()}, losses.mean(), aux
 
     def step_impl(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
@@ -219,6 +214,8 @@ def make_step(
     def step(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
         # Python-side checks, once per distinct input structure: cheap on the hot path
         # and always before torch.compile starts tracing.
+        if per_sample is not None:  # shapes can change between calls: always check
+            _check_batch(batch, "make_step(per_sample=...)")
         flat, spec = optree.tree_flatten((params, state))  # one C++ call
         key = (spec, tuple(map(id, flat)) if donate else (), len(batch))
         if key not in checked:
@@ -232,7 +229,13 @@ def make_step(
                         "passes *batch to loss_fn(params, *batch)."
                     ) from None
             if per_sample is not None:
-                _check_batch(batch, "make_step(per_sample=...)")
+                if leaves_with_paths(per_sample.init(_meta(params))):
+                    raise TypeError(
+                        "make_step: per_sample must be stateless (its init returns no "
+                        "tensors), since it runs once per sample under vmap and nothing "
+                        "could carry its state from step to step. Put stateful "
+                        "transformations (Adam, add_noise, monitor) in tx instead."
+                    )
             if donate:
                 _check_donation(params, state)
             try:  # run the transformation's own checks on shape-only tensors
