@@ -27,6 +27,7 @@ test: lint
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_per_sample.py
+	$(PY) benchmarks/bench_dist.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -26,6 +26,7 @@ from ._base import apply_updates as apply_updates
 from ._base import chain as chain
 from ._base import identity as identity
 from ._base import stateless as stateless
+from ._dist import all_reduce_mean as all_reduce_mean
 from ._groups import Groups as Groups
 from ._groups import group_by_module as group_by_module
 from ._model import buffers as buffers

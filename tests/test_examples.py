@@ -33,3 +33,20 @@ def test_dp_sgd_example_learns(capsys):
     out = dp_sgd.main(["--epochs", "2", "--no-compile"])
     assert out["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
     assert "test accuracy" in capsys.readouterr().out
+
+
+def test_ddp_example_runs_on_two_ranks():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", "examples/ddp_train.py"]
+    out = subprocess.run(
+        [*cmd, "--no-compile", "--epochs", "1"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 rank(s); parameters identical on all ranks" in out.stdout

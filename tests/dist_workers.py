@@ -1,0 +1,108 @@
+"""Worker processes for the torch.distributed tests (spawned, gloo, loopback only)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch._dynamo.utils import counters
+
+import funcgrad as fg
+
+STEPS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_and_data():
+    """A seed-shaped model whose first layer is dead on negative inputs: with the
+    negative half of the batch on rank 0, fc1 is all-zero there but not globally."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    m = m.double()
+    with torch.no_grad():
+        m[0].weight.copy_(torch.tensor([[1.0], [0.5]]))
+        m[0].bias.zero_()
+        m[2].bias.fill_(0.1)
+    x = torch.tensor(
+        [[-1.0], [-2.0], [-0.5], [-3.0], [1.0], [2.0], [0.5], [3.0]], dtype=torch.float64
+    )
+    y = torch.linspace(-1, 1, 8, dtype=torch.float64).unsqueeze(1)
+    return m, x, y
+
+
+def make(model, distributed: bool, compiled: bool):
+    groups = fg.group_by_module(model)
+    head = [fg.all_reduce_mean()] if distributed else []
+    tx = fg.chain(*head, fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.05))
+
+    def loss(p, x, y):
+        return ((fg.call(model, p, x) - y) ** 2).mean()
+
+    step = fg.make_step(
+        loss, tx, compile={"backend": "aot_eager"} if compiled else False, donate=True
+    )
+    return tx, step
+
+
+def train(model, tx, step, x, y) -> dict[str, torch.Tensor]:
+    params = fg.params(model)
+    state = tx.init(params)
+    for _ in range(STEPS):
+        step(params, state, x, y)
+    return {k: v.clone() for k, v in params.items()}
+
+
+def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=5 if mode == "raise" else 60)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+    )
+    try:
+        if mode == "raise" and rank == 1:
+            raise RuntimeError("rank 1 failed on purpose")
+        model, x, y = model_and_data()
+        shard = slice(rank * 4, rank * 4 + 4)
+        counters.clear()
+        tx, step = make(model, distributed=True, compiled=(mode == "compiled"))
+        params = train(model, tx, step, x[shard], y[shard])
+        stats = {
+            "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+        }
+        torch.save({"params": params, "stats": stats}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(mode: str, out: Path, world: int = 2, deadline_s: float = 180.0) -> float:
+    """Spawn ``world`` workers and wait with a hard deadline; never leave strays."""
+    ctx = mp.start_processes(
+        worker,
+        args=(world, free_port(), mode, str(out)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    t0 = time.monotonic()
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() - t0 > deadline_s:
+                raise TimeoutError(f"distributed workers still running after {deadline_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return time.monotonic() - t0

@@ -1,0 +1,61 @@
+"""Data-parallel steps on 2 gloo ranks (spawned, loopback) against one process."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dist_workers import make, model_and_data, run_ranks, train
+
+import funcgrad as fg
+
+
+def single_process(x, y):
+    model, _, _ = model_and_data()
+    tx, step = make(model, distributed=False, compiled=False)
+    return train(model, tx, step, x, y)
+
+
+def test_setup_has_a_layer_all_zero_on_one_rank_only():
+    model, x, y = model_and_data()
+
+    def loss(p, x, y):
+        return ((fg.call(model, p, x) - y) ** 2).mean()
+
+    g_rank0 = torch.func.grad(loss)(fg.params(model), x[:4], y[:4])
+    g_full = torch.func.grad(loss)(fg.params(model), x, y)
+    assert (g_rank0["0.weight"] == 0).all() and (g_rank0["0.bias"] == 0).all()
+    assert (g_full["0.weight"] != 0).any()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
+    run_ranks(mode, tmp_path)
+    _, x, y = model_and_data()
+    want = single_process(x, y)
+    # Applying the rule per rank (rank 0's shard alone) gives another answer.
+    per_rank = single_process(x[:4], y[:4])
+    assert not torch.allclose(per_rank["0.weight"], want["0.weight"])
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for k in want:
+            torch.testing.assert_close(got["params"][k], want[k], rtol=1e-12, atol=1e-12)
+        if mode == "compiled":
+            assert got["stats"] == {"graphs": 1, "breaks": 0}
+
+
+def test_a_failing_rank_does_not_hang(tmp_path):
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 failed on purpose"):
+        run_ranks("raise", tmp_path, deadline_s=60)
+
+
+def test_all_reduce_mean_outside_a_process_group():
+    with pytest.raises(
+        RuntimeError, match=re.escape("fg.all_reduce_mean: torch.distributed is not initialized")
+    ):
+        fg.all_reduce_mean().init({"w": torch.zeros(1)})
+    tx = fg.all_reduce_mean(noop_if_not_initialized=True)
+    g = {"w": torch.ones(2)}
+    assert tx.update(g, tx.init(g))[0] is g
