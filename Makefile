@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/seed_rule.py
+	$(PY) examples/binarized_digits.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check funcgrad tests examples benchmarks

@@ -50,3 +50,35 @@ def test_ddp_example_runs_on_two_ranks():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "2 rank(s); parameters identical on all ranks" in out.stdout
+
+
+def test_binarized_demo_smoke(tmp_path, capsys):
+    import binarized_digits
+
+    out = binarized_digits.main(["--epochs", "1", "--hidden", "16", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "train acc" in text and "funcgrad" in text
+    assert Path(out["png"]).stat().st_size > 10_000
+    assert (tmp_path / "binarized_digits.json").exists()
+    kinds = [r["kind"] for r in out["results"]]
+    assert kinds == ["plain", "hook", "funcgrad"]
+    for r in out["results"]:
+        for key in ("train_acc", "test_acc", "final_loss", "steps_per_s"):
+            assert math.isfinite(r[key]), (r["kind"], key)
+        assert all(0.0 <= v <= 1.0 for v in r["zero_frac"].values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "tpu9"], "unknown --device 'tpu9'"),
+        (["--epochs", "-1"], "--epochs must be >= 1, got -1"),
+        (["--out", "/proc/forbidden"], "cannot write to --out '/proc/forbidden'"),
+    ],
+)
+def test_binarized_demo_bad_input(argv, message, capsys):
+    import binarized_digits
+
+    with pytest.raises(SystemExit):
+        binarized_digits.main(argv)
+    assert message in capsys.readouterr().err
