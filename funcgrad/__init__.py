@@ -13,6 +13,7 @@ Example:
     >>> params, state, l = fg.make_step(loss, tx)(params, tx.init(params), torch.rand(3, 1))
 """
 
+from . import hooks as hooks
 from . import rules as rules
 from ._adam import AdamState as AdamState
 from ._adam import adam as adam
@@ -29,6 +30,8 @@ from ._base import stateless as stateless
 from ._dist import all_reduce_mean as all_reduce_mean
 from ._groups import Groups as Groups
 from ._groups import group_by_module as group_by_module
+from ._migrate import adam_state_from_torch as adam_state_from_torch
+from ._migrate import adam_state_to_torch as adam_state_to_torch
 from ._model import buffers as buffers
 from ._model import call as call
 from ._model import load_params as load_params
@@ -36,6 +39,10 @@ from ._model import params as params
 from ._noise import AddNoiseState as AddNoiseState
 from ._noise import add_noise as add_noise
 from ._noise import clip_by_global_norm as clip_by_global_norm
+from ._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState
+from ._nonfinite import skip_if_nonfinite as skip_if_nonfinite
+from ._state import load_state_dict as load_state_dict
+from ._state import state_dict as state_dict
 from ._step import make_step as make_step
 from ._step import per_sample_grads as per_sample_grads
 from ._transforms import MonitorState as MonitorState

@@ -1,0 +1,79 @@
+"""Skipping steps whose gradients are not finite, without a host sync."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._base import GradientTransformation, Params, State
+
+
+class SkipIfNonfiniteState(NamedTuple):
+    """``inner``: the wrapped state; ``skipped``: int64 count of skipped steps;
+    ``last_finite``: whether the latest step's gradients were all finite."""
+
+    inner: State
+    skipped: Tensor
+    last_finite: Tensor
+
+
+def _select(ok: Tensor, new: Any, old: Any) -> Any:
+    """``new`` where ``ok`` else ``old``, leaf by leaf (branch-free)."""
+    if isinstance(new, Tensor):
+        return torch.where(ok, new, old)
+    if isinstance(new, tuple) and hasattr(new, "_fields"):
+        return type(new)(*(_select(ok, a, b) for a, b in zip(new, old, strict=True)))
+    if isinstance(new, (tuple, list)):
+        return type(new)(_select(ok, a, b) for a, b in zip(new, old, strict=True))
+    if isinstance(new, dict):
+        return {k: _select(ok, v, old[k]) for k, v in new.items()}
+    return new
+
+
+def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
+    """Run ``tx``, but a step whose gradients hold NaN or +-Inf changes nothing.
+
+    On such a step the updates are zero (params stay as they are) and the inner
+    state is kept; ``skipped`` counts those steps. The decision is a 0-d bool tensor
+    used in ``torch.where``: no graph break, no GPU sync.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.skip_if_nonfinite(fg.adam(lr=0.1))
+        >>> p = {"w": torch.zeros(1)}
+        >>> u, s = tx.update({"w": torch.tensor([float("nan")])}, tx.init(p), p)
+        >>> u["w"], int(s.skipped), int(s.inner.count)
+        (tensor([0.]), 1, 0)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(
+            f"skip_if_nonfinite wraps a GradientTransformation, got {type(tx).__name__}."
+        )
+
+    def init(params: Params) -> SkipIfNonfiniteState:
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        return SkipIfNonfiniteState(
+            tx.init(params),
+            torch.zeros((), dtype=torch.int64, device=device),
+            torch.ones((), dtype=torch.bool, device=device),
+        )
+
+    def update(
+        grads: Params, state: SkipIfNonfiniteState, params: Params | None = None
+    ) -> tuple[Params, SkipIfNonfiniteState]:
+        if not isinstance(state, SkipIfNonfiniteState):
+            raise TypeError(
+                f"skip_if_nonfinite.update expected a SkipIfNonfiniteState, got "
+                f"{type(state).__name__}. Build it with the same transformation's init."
+            )
+        flags = [torch.isfinite(g).all() for g in grads.values()]
+        ok = torch.stack(flags).all() if flags else torch.ones_like(state.last_finite)
+        updates, inner = tx.update(grads, state.inner, params)
+        updates = {k: torch.where(ok, u, torch.zeros_like(u)) for k, u in updates.items()}
+        return updates, SkipIfNonfiniteState(
+            _select(ok, inner, state.inner), state.skipped + (~ok).to(torch.int64), ok
+        )
+
+    return GradientTransformation(init, update)
