@@ -44,12 +44,12 @@ def per_group(
         >>> tx.update(grads, tx.init(grads))[0]  # fc2 is in no group: untouched
         {'fc1.weight': tensor([1., 1.]), 'fc1.bias': tensor([1.]), 'fc2.weight': tensor([0.])}
     """
-    check_is_rule(rule, "per_group: rule")
     if isinstance(rule, GradientTransformation):
         raise TypeError(
             "per_group: rule is a GradientTransformation; per_group takes a rule "
             "(dict -> dict), e.g. fg.rules.zero_fix(). Use fg.chain to combine transformations."
         )
+    check_is_rule(rule, "per_group: rule")
     groups = as_groups(groups)
 
     def init(params: Params) -> EmptyState:

@@ -308,12 +308,16 @@ def check_is_rule(fn: object, what: str) -> None:
     factory = (
         isinstance(fn, types.FunctionType) and fn.__module__ == __name__ and fn.__name__ in __all__
     )
-    if factory or not callable(fn):
-        name = getattr(fn, "__name__", repr(fn))
+    if factory:
         raise TypeError(
-            f"{what} must be a rule or condition, got {fn!r}. Did you pass "
-            f"rules.{name} instead of rules.{name}(...)? The functions in fg.rules "
-            "build rules; call them first."
+            f"{what} must be a rule or condition, got the function rules.{fn.__name__}. "
+            f"Did you pass rules.{fn.__name__} instead of rules.{fn.__name__}(...)? The "
+            "functions in fg.rules build rules; call them first."
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"{what} must be a rule or condition (a callable group -> group), got a "
+            f"{type(fn).__name__}. Build one with fg.rules, e.g. fg.rules.zero_fix()."
         )
 
 

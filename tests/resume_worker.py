@@ -1,7 +1,7 @@
 """Run part of a training in its own process, for the checkpoint/resume test.
 
-    python resume_worker.py save  K PATH   # K steps from scratch, save params+state
-    python resume_worker.py resume N PATH  # load from PATH, run to step N, save params
+python resume_worker.py save  K PATH   # K steps from scratch, save params+state
+python resume_worker.py resume N PATH  # load from PATH, run to step N, save params
 """
 
 from __future__ import annotations

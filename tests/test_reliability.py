@@ -27,7 +27,9 @@ def test_resume_in_a_fresh_process_is_bit_for_bit(tmp_path):
 
     ckpt = str(tmp_path / "ckpt.pt")
     for args in (["save", "5", ckpt], ["resume", "8", ckpt]):
-        subprocess.run([sys.executable, str(HERE / "resume_worker.py"), *args], check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, str(HERE / "resume_worker.py"), *args], check=True, timeout=300
+        )
     got = torch.load(ckpt + ".final", weights_only=True)
     for k, v in want_params.items():
         assert torch.equal(got["params"][k], v), k
@@ -41,12 +43,21 @@ def test_load_state_dict_names_the_mismatch():
     sd = fg.state_dict(adam.init(p))
     with pytest.raises(TypeError, match=re.escape("state should be a ChainState, found AdamState")):
         fg.load_state_dict(fg.chain(fg.adam()), p, sd)
-    with pytest.raises(KeyError, match=re.escape("state.nu_max names do not match: missing ['a.bias', 'a.weight']")):
+    with pytest.raises(
+        KeyError, match=re.escape("state.nu_max names do not match: missing ['a.bias', 'a.weight']")
+    ):
         fg.load_state_dict(fg.adam(amsgrad=True), p, sd)
     other = {"a.weight": torch.zeros(3, 2), "a.bias": torch.zeros(2)}
-    with pytest.raises(ValueError, match=re.escape("state.mu['a.weight'] has shape (2, 2) and dtype torch.float32 in the checkpoint, but tx.init(params) makes (3, 2) torch.float32")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "state.mu['a.weight'] has shape (2, 2) and dtype torch.float32 in the checkpoint, but tx.init(params) makes (3, 2) torch.float32"
+        ),
+    ):
         fg.load_state_dict(adam, other, sd)
-    with pytest.raises(KeyError, match=re.escape("state.mu names do not match: missing [], unexpected ['a.bias']")):
+    with pytest.raises(
+        KeyError, match=re.escape("state.mu names do not match: missing [], unexpected ['a.bias']")
+    ):
         fg.load_state_dict(adam, {"a.weight": p["a.weight"]}, sd)
 
 
@@ -116,9 +127,14 @@ def test_migration_errors():
     opt.step()
     with pytest.raises(ValueError, match=re.escape("at different steps [0, 1]")):
         fg.adam_state_from_torch(opt, dict(model.named_parameters()))
-    with pytest.raises(ValueError, match=re.escape("the optimizer has amsgrad=False but the state was made with amsgrad=True")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("the optimizer has amsgrad=False but the state was made with amsgrad=True"),
+    ):
         state = fg.adam(amsgrad=True).init(fg.params(model))
-        fg.adam_state_to_torch(state, torch.optim.Adam(model.parameters()), dict(model.named_parameters()))
+        fg.adam_state_to_torch(
+            state, torch.optim.Adam(model.parameters()), dict(model.named_parameters())
+        )
 
 
 def test_skip_if_nonfinite_keeps_params_and_state():
@@ -139,7 +155,12 @@ def test_skip_if_nonfinite_keeps_params_and_state():
         assert_trees_close(s.inner, si)
     assert int(s.skipped) == 3 and bool(s.last_finite)
     s0 = tx.init(params)
-    check_compiles(tx.update, (good, s0, params), (bad, s0, params), (good, tx.update(bad, s0, params)[1], params))
+    check_compiles(
+        tx.update,
+        (good, s0, params),
+        (bad, s0, params),
+        (good, tx.update(bad, s0, params)[1], params),
+    )
 
 
 def dead_model():
@@ -195,7 +216,9 @@ def test_hooks_attach_equals_functional_path(kind, set_to_none):
         for names in groups.values():
             fixed = ref_zero_fix({n: raw[n] for n in names})
             for n in names:
-                torch.testing.assert_close(a.get_parameter(n).grad, fixed[n], rtol=1e-12, atol=1e-14)
+                torch.testing.assert_close(
+                    a.get_parameter(n).grad, fixed[n], rtol=1e-12, atol=1e-14
+                )
         opt.step()
         params, state, _ = fg.make_step(loss, tx, donate=True)(params, state, *args)
     for n, p in a.named_parameters():
@@ -214,5 +237,7 @@ def test_hook_errors():
     model = SeedModel()
     with pytest.raises(KeyError, match=re.escape("group 'fc9' names parameter 'fc9.weight'")):
         fg.hooks.attach(model, fg.rules.zero_fix(), {"fc9": ["fc9.weight"]})
-    with pytest.raises(TypeError, match=re.escape("Did you pass rules.zero_fix instead of rules.zero_fix(...)?")):
+    with pytest.raises(
+        TypeError, match=re.escape("Did you pass rules.zero_fix instead of rules.zero_fix(...)?")
+    ):
         fg.hooks.attach(model, fg.rules.zero_fix, fg.group_by_module(model))  # type: ignore[arg-type]
