@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_per_sample.py
 	$(PY) benchmarks/bench_dist.py
+	$(PY) benchmarks/bench_longrun.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
