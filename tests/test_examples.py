@@ -82,3 +82,13 @@ def test_binarized_demo_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
         binarized_digits.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_readme_example_runs(capsys):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    loss, all_zero = capsys.readouterr().out.split()
+    assert math.isfinite(float(loss)) and all_zero in ("True", "False")
