@@ -47,8 +47,13 @@ def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
 
 
 def test_a_failing_rank_does_not_hang(tmp_path):
-    with pytest.raises(mp.ProcessRaisedException, match="rank 1 failed on purpose"):
+    # Either rank 1's own error, or rank 0's collective failing because rank 1 went
+    # away, is reported first (a race): both mean nobody hung.
+    with pytest.raises(
+        mp.ProcessRaisedException, match=r"rank 1 failed on purpose|Connection closed"
+    ):
         run_ranks("raise", tmp_path, deadline_s=60)
+    assert not mp.active_children()  # rank 0 was stopped, not left waiting
 
 
 def test_all_reduce_mean_outside_a_process_group():
