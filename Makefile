@@ -20,6 +20,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check funcgrad tests examples benchmarks
 	$(VENV)/bin/ruff format --check funcgrad tests examples benchmarks
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q

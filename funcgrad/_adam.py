@@ -41,7 +41,7 @@ class AdamState(NamedTuple):
     ``nu_max``: running max of ``nu`` (``amsgrad``), else an empty dict.
     """
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: dict[str, Tensor]
     nu: dict[str, Tensor]
     nu_max: dict[str, Tensor]

@@ -57,7 +57,7 @@ def all_reduce_mean(
     import torch.distributed._functional_collectives as fc
 
     def reduce(grads: Params) -> Params:
-        pg = group if group is not None else dist.group.WORLD
+        pg: Any = group if group is not None else dist.group.WORLD
         world = dist.get_world_size(group)
         if not bucket:
             return {k: fc.all_reduce(g, "sum", pg) / world for k, g in grads.items()}

@@ -17,7 +17,7 @@ generator: for a formal differential-privacy guarantee use a secure source.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -31,7 +31,11 @@ _C = 0x45D9F3B
 _WEYL = 0x2545F491  # odd, < 2**30: n * _WEYL < 2**63 for n < 2**32
 
 
-def mix32(x: Tensor | int) -> Tensor | int:
+@overload
+def mix32(x: int) -> int: ...
+@overload
+def mix32(x: Tensor) -> Tensor: ...
+def mix32(x: Any) -> Any:
     """A 32-bit avalanche mixer; works on Python ints and int64 tensors alike."""
     x = (((x >> 16) ^ x) * _C) & _M32
     x = (((x >> 16) ^ x) * _C) & _M32
@@ -60,7 +64,7 @@ def normal_noise(key: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
 class AddNoiseState(NamedTuple):
     """``count``: int64 0-d tensor, the number of steps taken (the noise counter)."""
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
 
 
 def add_noise(std: float, seed: int) -> GradientTransformation:

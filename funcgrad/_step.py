@@ -216,7 +216,7 @@ def make_step(
         # and always before torch.compile starts tracing.
         if per_sample is not None:  # shapes can change between calls: always check
             _check_batch(batch, "make_step(per_sample=...)")
-        flat, spec = optree.tree_flatten((params, state))  # one C++ call
+        flat, spec = optree.tree_flatten((params, state))  # type: ignore[arg-type,var-annotated]
         key = (spec, tuple(map(id, flat)) if donate else (), len(batch))
         if key not in checked:
             if sig is not None:

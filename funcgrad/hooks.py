@@ -85,11 +85,13 @@ def attach(
                 for p in params:
                     if p.grad is None:  # unused in this pass: a zero gradient
                         p.grad = torch.zeros_like(p)
-                group = {n: p.grad for n, p in zip(names, params, strict=True)}
+                grads = [p.grad for p in params]
+                group = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
                 new = rule(group)
                 check_same_structure(group, new, rule)
-                for n, p in zip(names, params, strict=True):
-                    p.grad.copy_(new[n])
+                for n, g in zip(names, grads, strict=True):
+                    if g is not None:  # always true: created above
+                        g.copy_(new[n])
 
     def on_accumulated(param: Tensor) -> None:
         if not pending[0]:

@@ -309,9 +309,10 @@ def check_is_rule(fn: object, what: str) -> None:
         isinstance(fn, types.FunctionType) and fn.__module__ == __name__ and fn.__name__ in __all__
     )
     if factory:
+        name = getattr(fn, "__name__", "?")
         raise TypeError(
-            f"{what} must be a rule or condition, got the function rules.{fn.__name__}. "
-            f"Did you pass rules.{fn.__name__} instead of rules.{fn.__name__}(...)? The "
+            f"{what} must be a rule or condition, got the function rules.{name}. "
+            f"Did you pass rules.{name} instead of rules.{name}(...)? The "
             "functions in fg.rules build rules; call them first."
         )
     if not callable(fn):
