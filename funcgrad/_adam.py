@@ -24,7 +24,7 @@ from typing import NamedTuple, Union
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, check_floating
+from ._base import GradientTransformation, Params, check_floating, check_state, params_device
 from ._fusion import realize
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
@@ -101,9 +101,8 @@ def _adam(
 
     def init(params: Params) -> AdamState:
         check_floating(params, f"fg.{name}.init")
-        device = next(iter(params.values())).device if params else torch.device("cpu")
         return AdamState(
-            count=torch.zeros((), dtype=torch.int64, device=device),
+            count=torch.zeros((), dtype=torch.int64, device=params_device(params)),
             mu={k: torch.zeros_like(p) for k, p in params.items()},
             nu={k: torch.zeros_like(p) for k, p in params.items()},
             nu_max={k: torch.zeros_like(p) for k, p in params.items()} if amsgrad else {},
@@ -112,11 +111,7 @@ def _adam(
     def update(
         grads: Params, state: AdamState, params: Params | None = None
     ) -> tuple[Params, AdamState]:
-        if not isinstance(state, AdamState):
-            raise TypeError(
-                f"fg.{name}.update expected an AdamState, got {type(state).__name__}. "
-                f"Build the state with the same transformation's init(params)."
-            )
+        check_state(state, AdamState, f"fg.{name}")
         if state.mu.keys() != grads.keys() or bool(state.nu_max) != amsgrad:
             raise KeyError(
                 f"fg.{name}.update: the state was made for parameters {sorted(state.mu)}"

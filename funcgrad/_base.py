@@ -165,6 +165,22 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
     return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
 
 
+def check_state(state: State, cls: type, who: str) -> None:
+    """Raise a clear error unless ``state`` is the ``cls`` that ``who``'s init makes."""
+    if not isinstance(state, cls):
+        name = cls.__name__
+        article = "an" if name[0] in "AEIOU" else "a"
+        raise TypeError(
+            f"{who}.update expected {article} {name}, got {type(state).__name__}. Build "
+            "the state with the same transformation's init(params)."
+        )
+
+
+def params_device(params: Mapping[str, Tensor]) -> torch.device:
+    """Where a transformation keeps its counters: with the (first) parameter."""
+    return next(iter(params.values())).device if params else torch.device("cpu")
+
+
 def check_floating(tree: Mapping[str, Tensor], what: str) -> None:
     """Raise a clear error unless every value is a real floating-point tensor."""
     for name, t in tree.items():

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, overload
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, stateless
+from ._base import GradientTransformation, Params, check_state, params_device, stateless
 from ._fusion import realize
 from .rules import clip_norm
 
@@ -91,17 +91,12 @@ def add_noise(std: float, seed: int) -> GradientTransformation:
     std = float(std)
 
     def init(params: Params) -> AddNoiseState:
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        return AddNoiseState(torch.zeros((), dtype=torch.int64, device=device))
+        return AddNoiseState(torch.zeros((), dtype=torch.int64, device=params_device(params)))
 
     def update(
         grads: Params, state: AddNoiseState, params: Params | None = None
     ) -> tuple[Params, AddNoiseState]:
-        if not isinstance(state, AddNoiseState):
-            raise TypeError(
-                f"add_noise.update expected an AddNoiseState, got {type(state).__name__}. "
-                "Build the state with the same transformation's init(params)."
-            )
+        check_state(state, AddNoiseState, "add_noise")
         step_key = realize(mix32(state.count & _M32))
         out = {}
         for i, (k, g) in enumerate(grads.items()):

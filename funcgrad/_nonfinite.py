@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State
+from ._base import GradientTransformation, Params, State, check_state, params_device
 
 
 class SkipIfNonfiniteState(NamedTuple):
@@ -53,7 +53,7 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
         )
 
     def init(params: Params) -> SkipIfNonfiniteState:
-        device = next(iter(params.values())).device if params else torch.device("cpu")
+        device = params_device(params)
         return SkipIfNonfiniteState(
             tx.init(params),
             torch.zeros((), dtype=torch.int64, device=device),
@@ -63,11 +63,7 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
     def update(
         grads: Params, state: SkipIfNonfiniteState, params: Params | None = None
     ) -> tuple[Params, SkipIfNonfiniteState]:
-        if not isinstance(state, SkipIfNonfiniteState):
-            raise TypeError(
-                f"skip_if_nonfinite.update expected a SkipIfNonfiniteState, got "
-                f"{type(state).__name__}. Build it with the same transformation's init."
-            )
+        check_state(state, SkipIfNonfiniteState, "skip_if_nonfinite")
         flags = [torch.isfinite(g).all() for g in grads.values()]
         ok = torch.stack(flags).all() if flags else torch.ones_like(state.last_finite)
         updates, inner = tx.update(grads, state.inner, params)
