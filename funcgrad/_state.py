@@ -72,6 +72,17 @@ def load_state_dict(
     Raises:
         ValueError / KeyError / TypeError: naming the first path where the checkpoint
         and ``tx`` disagree.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> params = {"w": torch.zeros(2)}
+        >>> sd = fg.state_dict(fg.adam().init(params))
+        >>> fg.load_state_dict(fg.adam(), params, sd).count
+        tensor(0)
+        >>> fg.load_state_dict(fg.adamw(amsgrad=True), params, sd)
+        Traceback (most recent call last):
+        ...
+        KeyError: "fg.load_state_dict: state.nu_max names do not match: missing ['w'], ...
     """
     template = tx.init(params)
     if isinstance(state_dict, Mapping) and state_dict.get("_type") == "value":
