@@ -137,18 +137,31 @@ def _adam(
         scalars = _bias_scalars(count, lr_t, b1, b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
 
+        # The step's scalars in each parameter dtype, converted once per dtype.
+        per_dtype: dict[torch.dtype, tuple[Tensor, Tensor, Tensor]] = {}
         updates: Params = {}
         mu: Params = {}
         nu: Params = {}
         nu_max: Params = {}
         for k, g in grads.items():
             dt = g.dtype
+            if dt not in per_dtype:
+                per_dtype[dt] = (
+                    (-step_size).to(dt),
+                    inv_bc2_sqrt.to(dt),
+                    (lr_t * weight_decay).to(dt),
+                )
+            neg_step, inv_bc2, decay = per_dtype[dt]
             if maximize:
                 g = -g
             if weight_decay != 0.0 and not decoupled:
                 assert params is not None
                 g = g + weight_decay * params[k]
+            # In-place ops below only touch tensors made in this function (fewer
+            # temporaries in eager mode; torch.compile functionalizes them anyway).
             m = torch.lerp(state.mu[k], g, 1.0 - b1)
+            # Not addcmul: its decomposition under torch.compile rounds differently, and
+            # eager must equal compiled exactly (the tests check it with aot_eager).
             v = state.nu[k] * b2 + (1.0 - b2) * (g * g)
             mu[k], nu[k] = m, v
             if amsgrad:
@@ -156,11 +169,11 @@ def _adam(
                 nu_max[k] = v
             # One division per element, not two: sqrt(v) * (1 / sqrt(bc2)) differs from
             # torch's sqrt(v) / sqrt(bc2) by at most an ulp.
-            denom = torch.sqrt(v) * inv_bc2_sqrt.to(dt) + eps
-            u = m / denom * (-step_size).to(dt)
+            denom = torch.sqrt(v).mul_(inv_bc2).add_(eps)
+            u = torch.div(m, denom).mul_(neg_step)
             if weight_decay != 0.0 and decoupled:
                 assert params is not None
-                u = u - (lr_t * weight_decay).to(dt) * params[k]
+                u = u.sub_(decay * params[k])
             updates[k] = u
         return updates, AdamState(count, mu, nu, nu_max)
 

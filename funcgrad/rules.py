@@ -395,5 +395,19 @@ def zero_fix(all_zero: float = 1.0, zero: float = 0.5) -> Rule:
         >>> fix({"w": torch.tensor([0.0, 3.0]), "b": torch.zeros(1)})
         {'w': tensor([0.5000, 3.0000]), 'b': tensor([0.5000])}
     """
-    r = when(_all_zero(), fill(all_zero), otherwise=replace_zeros(zero))
-    return Rule(r, f"zero_fix(all_zero={float(all_zero)}, zero={float(zero)})")
+    a = _number(all_zero, "zero_fix: all_zero")
+    z = _number(zero, "zero_fix: zero")
+    dead = _all_zero()
+
+    def rule(g: Group) -> dict[str, Tensor]:
+        # Equal to when(all_zero(), fill(a), otherwise=replace_zeros(z)), in one pass:
+        # in an all-zero group every entry is a zero, so "zeros become (a if the group
+        # is all-zero else z)" is the whole rule. No full-size fill is materialized.
+        c = dead(g)
+        out = {}
+        for k, t in g.items():
+            value = torch.where(c, a, z).to(t.dtype)
+            out[k] = torch.where(t == 0, value, t)
+        return out
+
+    return Rule(rule, f"zero_fix(all_zero={a}, zero={z})")
