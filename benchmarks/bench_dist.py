@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_step import mlp
 
 
-def run(rank: int, world: int, port: int, steps: int, out: str) -> None:
+def run(rank: int, world: int, port: int, steps: int, out: str, bucket: bool) -> None:
     if world > 1:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -42,7 +42,7 @@ def run(rank: int, world: int, port: int, steps: int, out: str) -> None:
     local = 128 // world
     x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
     tx = fg.chain(
-        fg.all_reduce_mean(noop_if_not_initialized=True),
+        fg.all_reduce_mean(bucket=bucket, noop_if_not_initialized=True),
         fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)),
         fg.adam(),
     )
@@ -68,11 +68,13 @@ def run(rank: int, world: int, port: int, steps: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def measure(world: int, steps: int, out: Path) -> float:
+def measure(world: int, steps: int, out: Path, bucket: bool = True) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(run, args=(world, port, steps, str(out)), nprocs=world, start_method="spawn")
+    mp.start_processes(
+        run, args=(world, port, steps, str(out), bucket), nprocs=world, start_method="spawn"
+    )
     return json.loads(out.read_text())["median_s"]
 
 
@@ -85,12 +87,26 @@ def main() -> None:
     tmp = args.out / "_dist_tmp.json"
     one = measure(1, args.steps, tmp)
     two = measure(2, args.steps, tmp)
+    two_unbucketed = measure(2, args.steps, tmp, bucket=False)
     os.remove(tmp)
     print(f"global batch 128, MLP, median of {args.steps} steps")
-    print(f"  1 process, {torch.get_num_threads()} threads: {one * 1e3:7.2f} ms")
-    print(f"  2 processes, 1 thread each:   {two * 1e3:7.2f} ms   ratio {two / one:.2f}x")
+    print(f"  1 process, {torch.get_num_threads()} threads:           {one * 1e3:7.2f} ms")
+    print(f"  2 processes, bucketed (1 collective):  {two * 1e3:7.2f} ms   {two / one:.2f}x")
+    print(
+        f"  2 processes, 1 collective per tensor:  {two_unbucketed * 1e3:7.2f} ms   "
+        f"{two_unbucketed / one:.2f}x"
+    )
     (args.out / "bench_dist.json").write_text(
-        json.dumps({"one_process_s": one, "two_process_s": two, "ratio": two / one}, indent=2)
+        json.dumps(
+            {
+                "one_process_s": one,
+                "two_process_s": two,
+                "two_process_unbucketed_s": two_unbucketed,
+                "ratio": two / one,
+                "ratio_unbucketed": two_unbucketed / one,
+            },
+            indent=2,
+        )
     )
 
 
