@@ -75,11 +75,14 @@ def adam_state_from_torch(
     mu, nu, nu_max = {}, {}, {}
     for name, p in pairs:
         st = optimizer.state.get(p, {})
-        zeros = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
-        mu[name] = st["exp_avg"].detach().clone() if st else zeros.clone()
-        nu[name] = st["exp_avg_sq"].detach().clone() if st else zeros.clone()
+
+        def take(key: str, st: dict = st, p: Tensor = p) -> Tensor:
+            # No state yet (step 0): torch would start from zeros.
+            return st[key].detach().clone() if st else torch.zeros_like(p).detach()
+
+        mu[name], nu[name] = take("exp_avg"), take("exp_avg_sq")
         if amsgrad:
-            nu_max[name] = st["max_exp_avg_sq"].detach().clone() if st else zeros.clone()
+            nu_max[name] = take("max_exp_avg_sq")
     device = pairs[0][1].device if pairs else torch.device("cpu")
     return AdamState(torch.tensor(count, dtype=torch.int64, device=device), mu, nu, nu_max)
 

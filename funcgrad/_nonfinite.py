@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device
+from ._tree import map2
 
 
 class SkipIfNonfiniteState(NamedTuple):
@@ -17,19 +18,6 @@ class SkipIfNonfiniteState(NamedTuple):
     inner: State
     skipped: Tensor
     last_finite: Tensor
-
-
-def _select(ok: Tensor, new: Any, old: Any) -> Any:
-    """``new`` where ``ok`` else ``old``, leaf by leaf (branch-free)."""
-    if isinstance(new, Tensor):
-        return torch.where(ok, new, old)
-    if isinstance(new, tuple) and hasattr(new, "_fields"):
-        return type(new)(*(_select(ok, a, b) for a, b in zip(new, old, strict=True)))
-    if isinstance(new, (tuple, list)):
-        return type(new)(_select(ok, a, b) for a, b in zip(new, old, strict=True))
-    if isinstance(new, dict):
-        return {k: _select(ok, v, old[k]) for k, v in new.items()}
-    return new
 
 
 def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
@@ -69,7 +57,9 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
         updates, inner = tx.update(grads, state.inner, params)
         updates = {k: torch.where(ok, u, torch.zeros_like(u)) for k, u in updates.items()}
         return updates, SkipIfNonfiniteState(
-            _select(ok, inner, state.inner), state.skipped + (~ok).to(torch.int64), ok
+            map2(lambda new, old: torch.where(ok, new, old), inner, state.inner),
+            state.skipped + (~ok).to(torch.int64),
+            ok,
         )
 
     return GradientTransformation(init, update)

@@ -9,7 +9,7 @@ entries in the user's order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -32,13 +32,23 @@ def leaves_with_paths(tree: Any, prefix: str = "") -> list[tuple[str, Tensor]]:
     return out
 
 
+def map2(fn: Callable[[Tensor, Tensor], Any], a: Any, b: Any) -> Any:
+    """``fn(x, y)`` for each pair of tensors of two trees of the same structure.
+
+    Dict entries are matched by key (not position); NamedTuples, tuples and lists are
+    rebuilt with the results; other leaves of ``a`` are kept as they are.
+    """
+    if isinstance(a, Tensor):
+        return fn(a, b)
+    if isinstance(a, tuple) and hasattr(a, "_fields"):
+        return type(a)(*(map2(fn, x, y) for x, y in zip(a, b, strict=True)))
+    if isinstance(a, (tuple, list)):
+        return type(a)(map2(fn, x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Mapping):
+        return {k: map2(fn, v, b[k]) for k, v in a.items()}
+    return a
+
+
 def copy_into(dst: Any, src: Any) -> None:
     """``dst.copy_(src)`` leaf by leaf, matching dict entries by key (not position)."""
-    if isinstance(dst, Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, Mapping):
-        for k, v in dst.items():
-            copy_into(v, src[k])
-    elif isinstance(dst, (tuple, list)):
-        for a, b in zip(dst, src, strict=True):
-            copy_into(a, b)
+    map2(lambda d, s: d.copy_(s), dst, src)

@@ -81,17 +81,17 @@ def attach(
         pending[0] = False
         with torch.no_grad():
             for names in groups.values():
-                params = [named[n] for n in names]
-                for p in params:
-                    if p.grad is None:  # unused in this pass: a zero gradient
-                        p.grad = torch.zeros_like(p)
-                grads = [p.grad for p in params]
-                group = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
+                group: dict[str, Tensor] = {}
+                for n in names:
+                    p = named[n]
+                    g = p.grad
+                    if g is None:  # unused in this pass: a zero gradient
+                        g = p.grad = torch.zeros_like(p)
+                    group[n] = g
                 new = rule(group)
                 check_same_structure(group, new, rule)
-                for n, g in zip(names, grads, strict=True):
-                    if g is not None:  # always true: created above
-                        g.copy_(new[n])
+                for n, g in group.items():
+                    g.copy_(new[n])
 
     def on_accumulated(param: Tensor) -> None:
         if not pending[0]:

@@ -403,11 +403,7 @@ def zero_fix(all_zero: float = 1.0, zero: float = 0.5) -> Rule:
         # Equal to when(all_zero(), fill(a), otherwise=replace_zeros(z)), in one pass:
         # in an all-zero group every entry is a zero, so "zeros become (a if the group
         # is all-zero else z)" is the whole rule. No full-size fill is materialized.
-        c = dead(g)
-        out = {}
-        for k, t in g.items():
-            value = torch.where(c, a, z).to(t.dtype)
-            out[k] = torch.where(t == 0, value, t)
-        return out
+        value = torch.where(dead(g), a, z)  # 0-d: a for a dead group, else z
+        return {k: torch.where(t == 0, value.to(t.dtype), t) for k, t in g.items()}
 
     return Rule(rule, f"zero_fix(all_zero={a}, zero={z})")
