@@ -103,7 +103,7 @@ def train(kind: str, args, data, init_state) -> dict:
     model.load_state_dict(init_state)
     groups = fg.group_by_module(model, types=LAYERS)
     monitor = fg.monitor(groups)
-    rule = fg.rules.zero_fix(all_zero=args.all_zero_value, zero=args.zero_value)
+    rule = fg.rules.zero_fix(if_all_zero=args.all_zero_value, if_zero=args.zero_value)
     gen = torch.Generator().manual_seed(args.seed)
     n_batches = len(Xtr) // args.batch
     losses: list[float] = []
@@ -113,7 +113,11 @@ def train(kind: str, args, data, init_state) -> dict:
         return nn.functional.cross_entropy(fg.call(model, p, x), y)
 
     if kind == "funcgrad":
-        tx = fg.chain(monitor, fg.per_group(rule, groups), fg.adam(lr=args.lr))
+        tx = fg.named_chain(
+            ("monitor", monitor),
+            ("rule", fg.per_group(rule, groups)),
+            ("adam", fg.adam(lr=args.lr)),
+        )
         params = fg.params(model)
         state = tx.init(params)
         step = fg.make_step(loss_fn, tx, compile=not args.no_compile, donate=True)
@@ -133,7 +137,7 @@ def train(kind: str, args, data, init_state) -> dict:
             x, y = Xtr[idx], ytr[idx]
             if kind == "funcgrad":
                 params, state, loss = step(params, state, x, y)
-                stats = state.inner_states[0].stats
+                stats = state["monitor"].stats
             else:
                 opt.zero_grad()
                 loss = nn.functional.cross_entropy(model(x), y)

@@ -19,14 +19,18 @@ from ._adam import AdamState as AdamState
 from ._adam import adam as adam
 from ._adam import adamw as adamw
 from ._adam import cosine_decay as cosine_decay
-from ._base import ChainState as ChainState
 from ._base import EmptyState as EmptyState
 from ._base import GradientTransformation as GradientTransformation
 from ._base import Params as Params
 from ._base import apply_updates as apply_updates
-from ._base import chain as chain
 from ._base import identity as identity
+from ._base import set_to_zero as set_to_zero
 from ._base import stateless as stateless
+from ._combine import ChainState as ChainState
+from ._combine import PartitionState as PartitionState
+from ._combine import chain as chain
+from ._combine import named_chain as named_chain
+from ._combine import partition as partition
 from ._dist import all_reduce_mean as all_reduce_mean
 from ._groups import Groups as Groups
 from ._groups import group_by_module as group_by_module
@@ -38,7 +42,6 @@ from ._model import load_params as load_params
 from ._model import params as params
 from ._noise import AddNoiseState as AddNoiseState
 from ._noise import add_noise as add_noise
-from ._noise import clip_by_global_norm as clip_by_global_norm
 from ._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState
 from ._nonfinite import skip_if_nonfinite as skip_if_nonfinite
 from ._state import load_state_dict as load_state_dict
@@ -46,10 +49,8 @@ from ._state import state_dict as state_dict
 from ._step import make_step as make_step
 from ._step import per_sample_grads as per_sample_grads
 from ._transforms import MonitorState as MonitorState
-from ._transforms import PartitionState as PartitionState
+from ._transforms import clip_by_global_norm as clip_by_global_norm
 from ._transforms import monitor as monitor
-from ._transforms import partition as partition
 from ._transforms import per_group as per_group
-from ._transforms import set_to_zero as set_to_zero
 
 __version__ = "0.1.0"

@@ -244,9 +244,9 @@ def cosine_decay(
         [1.0, 0.5, 0.0, 0.0]
     """
     if not decay_steps > 0:
-        raise ValueError(f"cosine_decay: decay_steps must be > 0, got {decay_steps}.")
+        raise ValueError(f"fg.cosine_decay: decay_steps must be > 0, got {decay_steps}.")
     if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"cosine_decay: alpha must be in [0, 1], got {alpha}.")
+        raise ValueError(f"fg.cosine_decay: alpha must be in [0, 1], got {alpha}.")
 
     def schedule(count: Tensor) -> Tensor:
         frac = torch.clamp(count.to(torch.float64), max=decay_steps) / decay_steps

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from ._tree import names_mismatch
+
 Params = dict[str, Tensor]
 """Flat dict of tensors, keyed exactly as ``model.named_parameters()``."""
 
@@ -89,58 +91,15 @@ def identity() -> GradientTransformation:
     return stateless(lambda grads, params: grads)
 
 
-class ChainState(NamedTuple):
-    """The state of :func:`chain`: one inner state per transformation, in order."""
-
-    inner_states: tuple[State, ...]
-
-
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply ``transforms`` one after the other; each sees the previous one's updates.
-
-    Args:
-        *transforms: the transformations, applied left to right.
-
-    Returns:
-        A transformation whose state is a :class:`ChainState`.
+def set_to_zero() -> GradientTransformation:
+    """Replace every update by zeros (for frozen partitions).
 
     Example:
         >>> import torch, funcgrad as fg
-        >>> groups = fg.Groups({"fc": ("fc.weight",)})
-        >>> tx = fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.1))
-        >>> params = {"fc.weight": torch.zeros(2)}
-        >>> updates, state = tx.update({"fc.weight": torch.zeros(2)}, tx.init(params), params)
-        >>> updates["fc.weight"]  # all-zero group -> grads of 1.0 -> Adam's first step is -lr
-        tensor([-0.1000, -0.1000])
+        >>> fg.set_to_zero().update({"w": torch.ones(2)}, fg.EmptyState())[0]
+        {'w': tensor([0., 0.])}
     """
-    for i, t in enumerate(transforms):
-        if not isinstance(t, GradientTransformation):
-            raise TypeError(
-                f"chain() argument {i} is a {type(t).__name__}, not a "
-                "GradientTransformation. Pass transformations such as fg.adam(...) or "
-                "fg.per_group(rule, groups); to use a bare rule, wrap it with "
-                "fg.per_group(rule, groups)."
-            )
-
-    def init(params: Params) -> ChainState:
-        return ChainState(tuple(t.init(params) for t in transforms))
-
-    def update(
-        grads: Params, state: ChainState, params: Params | None = None
-    ) -> tuple[Params, ChainState]:
-        if not isinstance(state, ChainState) or len(state.inner_states) != len(transforms):
-            raise TypeError(
-                "chain(...).update got a state that chain(...).init did not make "
-                f"(got {type(state).__name__}). Build the state with tx.init(params) "
-                "from the same transformation."
-            )
-        new_states = []
-        for t, s in zip(transforms, state.inner_states, strict=True):
-            grads, s = t.update(grads, s, params)
-            new_states.append(s)
-        return grads, ChainState(tuple(new_states))
-
-    return GradientTransformation(init, update)
+    return stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()})
 
 
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
@@ -155,12 +114,10 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
         {'w': tensor([1.5000, 0.0000])}
     """
     if params.keys() != updates.keys():
-        missing = sorted(params.keys() - updates.keys())
-        extra = sorted(updates.keys() - params.keys())
         raise KeyError(
-            "apply_updates: params and updates must have the same names. "
-            f"Missing from updates: {missing}; not in params: {extra}. Pass the updates "
-            "returned by tx.update(grads, state, params) for these same params."
+            "fg.apply_updates: params and updates must have the same names; updates have "
+            f"{names_mismatch(params, updates)}. Pass the updates returned by "
+            "tx.update(grads, state, params) for these same params."
         )
     return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
 
@@ -171,7 +128,7 @@ def check_state(state: State, cls: type, who: str) -> None:
         name = cls.__name__
         article = "an" if name[0] in "AEIOU" else "a"
         raise TypeError(
-            f"{who}.update expected {article} {name}, got {type(state).__name__}. Build "
+            f"{who}.update: expected {article} {name}, got {type(state).__name__}. Build "
             "the state with the same transformation's init(params)."
         )
 

@@ -33,22 +33,22 @@ class Groups(Mapping[str, tuple[str, ...]]):
         owner: dict[str, str] = {}
         for gname, names in groups.items():
             if not isinstance(gname, str):
-                raise TypeError(f"Groups: group names must be str, got {gname!r}.")
+                raise TypeError(f"fg.Groups: group names must be str, got {gname!r}.")
             if isinstance(names, str):
                 raise TypeError(
-                    f"Groups: group '{gname}' maps to the string {names!r}; give a "
+                    f"fg.Groups: group '{gname}' maps to the string {names!r}; give a "
                     f"sequence of parameter names instead, e.g. ({names!r},)."
                 )
             names = tuple(names)
             if not names:
                 raise ValueError(
-                    f"Groups: group '{gname}' is empty. Every group needs at least one "
+                    f"fg.Groups: group '{gname}' is empty. Every group needs at least one "
                     "parameter name; drop the group instead."
                 )
             for n in names:
                 if n in owner:
                     raise ValueError(
-                        f"Groups: parameter '{n}' is in both group '{owner[n]}' and "
+                        f"fg.Groups: parameter '{n}' is in both group '{owner[n]}' and "
                         f"group '{gname}'. A parameter may belong to one group only, "
                         "otherwise the result would depend on the order of the groups."
                     )
@@ -61,7 +61,9 @@ class Groups(Mapping[str, tuple[str, ...]]):
         try:
             return self._data[key]
         except KeyError:
-            raise KeyError(f"No group named '{key}'. Known groups: {list(self._data)}.") from None
+            raise KeyError(
+                f"fg.Groups: no group named '{key}'. Known groups: {list(self._data)}."
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)
@@ -89,7 +91,7 @@ class Groups(Mapping[str, tuple[str, ...]]):
         unknown = [g for g in group_names if g not in self._data]
         if unknown:
             raise KeyError(
-                f"Groups.select: no group named {unknown}. Known groups: {list(self._data)}."
+                f"fg.Groups.select: no group named {unknown}. Known groups: {list(self._data)}."
             )
         return Groups({g: self._data[g] for g in group_names})
 
@@ -141,7 +143,7 @@ def group_by_module(
     """
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise ValueError(
-            f"group_by_module: depth must be a positive int, got {depth!r}. "
+            f"fg.group_by_module: depth must be a positive int, got {depth!r}. "
             "depth=1 groups by top-level module, depth=2 by the next level, and so on."
         )
     if isinstance(model_or_params, nn.Module):
@@ -152,13 +154,13 @@ def group_by_module(
         names = list(model_or_params)
     else:
         raise TypeError(
-            "group_by_module: expected an nn.Module or a dict of parameters, got "
+            "fg.group_by_module: expected an nn.Module or a dict of parameters, got "
             f"{type(model_or_params).__name__}."
         )
     if types is not None:
         if model is None:
             raise TypeError(
-                "group_by_module: types= needs the model, since a dict of parameters "
+                "fg.group_by_module: types= needs the model, since a dict of parameters "
                 "does not say which module type owns each one. Call "
                 "fg.group_by_module(model, types=(nn.Linear,)) instead of passing "
                 "fg.params(model)."
@@ -166,7 +168,9 @@ def group_by_module(
         type_tuple = types if isinstance(types, tuple) else (types,)
         for t in type_tuple:
             if not (isinstance(t, type) and issubclass(t, nn.Module)):
-                raise TypeError(f"group_by_module: types must be nn.Module subclasses, got {t!r}.")
+                raise TypeError(
+                    f"fg.group_by_module: types must be nn.Module subclasses, got {t!r}."
+                )
 
     groups: dict[str, list[str]] = {}
     for name in names:

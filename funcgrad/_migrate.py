@@ -11,11 +11,11 @@ from ._adam import AdamState
 
 
 def _names_by_identity(
-    optimizer: torch.optim.Optimizer, named_params: Mapping[str, Tensor]
+    optimizer: torch.optim.Optimizer, named_params: Mapping[str, Tensor], who: str
 ) -> list[tuple[str, Tensor]]:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(
-            f"expected a torch.optim.Adam or AdamW, got {type(optimizer).__name__}; "
+            f"{who}: expected a torch.optim.Adam or AdamW, got {type(optimizer).__name__}; "
             "only Adam-family state maps onto fg.adam / fg.adamw."
         )
     by_id = {id(p): n for n, p in named_params.items()}
@@ -24,7 +24,7 @@ def _names_by_identity(
         for p in group["params"]:
             if id(p) not in by_id:
                 raise KeyError(
-                    f"a parameter of shape {tuple(p.shape)} in the optimizer is not among "
+                    f"{who}: a parameter of shape {tuple(p.shape)} in the optimizer is not among "
                     "named_params. Pass dict(model.named_parameters()) of the model the "
                     "optimizer was built on (the same Parameter objects)."
                 )
@@ -32,10 +32,12 @@ def _names_by_identity(
     return out
 
 
-def _amsgrad(optimizer: torch.optim.Optimizer) -> bool:
+def _amsgrad(optimizer: torch.optim.Optimizer, who: str) -> bool:
     flags = {bool(g["amsgrad"]) for g in optimizer.param_groups}
     if len(flags) > 1:
-        raise ValueError("param groups disagree on amsgrad; funcgrad keeps one setting per tx.")
+        raise ValueError(
+            f"{who}: param groups disagree on amsgrad; funcgrad keeps one setting per tx."
+        )
     return flags.pop()
 
 
@@ -62,12 +64,13 @@ def adam_state_from_torch(
         >>> int(state.count), sorted(state.mu)
         (1, ['bias', 'weight'])
     """
-    pairs = _names_by_identity(optimizer, named_params)
-    amsgrad = _amsgrad(optimizer)
+    who = "fg.adam_state_from_torch"
+    pairs = _names_by_identity(optimizer, named_params, who)
+    amsgrad = _amsgrad(optimizer, who)
     steps = {int(optimizer.state[p]["step"]) if p in optimizer.state else 0 for _, p in pairs}
     if len(steps) > 1:
         raise ValueError(
-            f"the optimizer's parameters are at different steps {sorted(steps)}; funcgrad "
+            f"{who}: the optimizer's parameters are at different steps {sorted(steps)}; funcgrad "
             "keeps one step counter per transformation. Convert after a step that updated "
             "every parameter, or use fg.partition with one adam per group of parameters."
         )
@@ -102,18 +105,19 @@ def adam_state_to_torch(
         >>> float(opt.state[model.weight]["step"])
         0.0
     """
+    who = "fg.adam_state_to_torch"
     if not isinstance(state, AdamState):
-        raise TypeError(f"expected an fg.AdamState, got {type(state).__name__}.")
-    pairs = _names_by_identity(optimizer, named_params)
-    amsgrad = _amsgrad(optimizer)
+        raise TypeError(f"{who}: expected an fg.AdamState, got {type(state).__name__}.")
+    pairs = _names_by_identity(optimizer, named_params, who)
+    amsgrad = _amsgrad(optimizer, who)
     if amsgrad != bool(state.nu_max):
         raise ValueError(
-            f"the optimizer has amsgrad={amsgrad} but the state was made with "
+            f"{who}: the optimizer has amsgrad={amsgrad} but the state was made with "
             f"amsgrad={bool(state.nu_max)}; build both with the same setting."
         )
     missing = sorted(n for n, _ in pairs if n not in state.mu)
     if missing:
-        raise KeyError(f"the state has no entries for the optimizer's parameters {missing}.")
+        raise KeyError(f"{who}: the state has no entries for the optimizer's parameters {missing}.")
     for name, p in pairs:
         # torch.optim keeps "step" as a float32 CPU tensor unless capturable/fused.
         entry = {

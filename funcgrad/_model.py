@@ -129,19 +129,33 @@ PER_SAMPLE_BATCHNORM = (
     "a per-sample normalization (GroupNorm/LayerNorm)."
 )
 
+BUFFER_WRITE = (
+    "the model wrote to one of its buffers in place during a torch.func transform "
+    "(grad/vmap). That is what BatchNorm does in train mode to its running statistics, "
+    "and torch.func cannot differentiate through a write to a tensor captured from "
+    "outside. In a training step, build it with fg.make_step(..., buffers=True): the "
+    "buffers then travel through the step as inputs and outputs "
+    "(loss_fn(params, buffers, *batch) calls fg.call(model, params, x, buffers=buffers)). "
+    "Outside make_step, pass buffers cloned inside the transformed function, or use "
+    "model.eval()."
+)
 
-def _under_vmap() -> bool:
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+def explain_buffer_write(err: BaseException, per_sample: bool = False) -> RuntimeError | None:
+    """The clear error for a forward that writes a buffer under torch.func, or None.
 
-
-def _check_not_per_sample_batchnorm(model: nn.Module) -> None:
-    if _under_vmap() and any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
+    The one place that recognises it: eager torch raises "mutate a captured Tensor";
+    torch.compile wraps that same text in its own exception; a train-mode
+    BatchNorm1d over one sample says "Expected more than 1 value per channel".
+    """
+    msg = str(err)
+    if per_sample and (
+        "mutate a captured Tensor" in msg or "Expected more than 1 value per channel" in msg
     ):
-        raise RuntimeError(f"fg.call: {PER_SAMPLE_BATCHNORM}")
+        return RuntimeError(f"{PER_SAMPLE_BATCHNORM}\nOriginal error: {msg}")
+    if "mutate a captured Tensor" in msg and BUFFER_WRITE not in msg:
+        return RuntimeError(f"fg.call: {BUFFER_WRITE}\nOriginal error: {msg}")
+    return None
 
 
 def call(
@@ -173,20 +187,13 @@ def call(
         # Name checks are plain Python; under torch.compile they would only be traced
         # once anyway, and the eager path catches mistakes first.
         check_names(model, params, "fg.call")
-        _check_not_per_sample_batchnorm(model)
     tensors = dict(params)
     if buffers is not None:
         tensors.update(buffers)
     try:
         return functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
     except RuntimeError as err:
-        if "mutate a captured Tensor" not in str(err):
+        better = explain_buffer_write(err)
+        if better is None:
             raise
-        raise RuntimeError(
-            "fg.call: the model wrote to one of its buffers in place during a torch.func "
-            "transform (grad/vmap). That is what BatchNorm does in train mode to its "
-            "running statistics, and torch.func cannot differentiate through it. Use "
-            "model.eval() for the functional step, or remove the running statistics "
-            "with torch.func.replace_all_batch_norm_modules_(model) (batch statistics "
-            f"are then always used).\nOriginal error: {err}"
-        ) from err
+        raise better from err

@@ -1,4 +1,4 @@
-"""Reproducible Gaussian noise without a hidden global RNG, and global-norm clipping.
+"""Reproducible Gaussian noise without a hidden global RNG.
 
 ``torch.Generator`` arguments break ``torch.compile`` graphs, and inductor's own RNG
 draws other numbers than eager mode. So :func:`add_noise` uses a counter-based
@@ -22,9 +22,8 @@ from typing import Any, NamedTuple, overload
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, check_state, params_device, stateless
+from ._base import GradientTransformation, Params, check_state, params_device
 from ._fusion import realize
-from .rules import clip_norm
 
 _M32 = 0xFFFFFFFF
 _C = 0x45D9F3B
@@ -46,7 +45,7 @@ def normal_noise(key: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     """``numel`` standard normal draws from a 0-d int64 ``key`` in [0, 2**32)."""
     if numel >= 2**31:
         raise ValueError(
-            f"add_noise: a tensor of {numel} elements is too large for the 32-bit "
+            f"fg.add_noise: a tensor of {numel} elements is too large for the 32-bit "
             "counter (at most 2**31 - 1 elements per parameter)."
         )
     # Nested mixers would be inlined by inductor into one expression tree that
@@ -85,9 +84,9 @@ def add_noise(std: float, seed: int) -> GradientTransformation:
         (True, 1)
     """
     if isinstance(std, bool) or not isinstance(std, (int, float)) or not std >= 0:
-        raise ValueError(f"add_noise: std must be a number >= 0, got {std!r}.")
+        raise ValueError(f"fg.add_noise: std must be a number >= 0, got {std!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"add_noise: seed must be an int in [0, 2**32), got {seed!r}.")
+        raise ValueError(f"fg.add_noise: seed must be an int in [0, 2**32), got {seed!r}.")
     std = float(std)
 
     def init(params: Params) -> AddNoiseState:
@@ -96,7 +95,7 @@ def add_noise(std: float, seed: int) -> GradientTransformation:
     def update(
         grads: Params, state: AddNoiseState, params: Params | None = None
     ) -> tuple[Params, AddNoiseState]:
-        check_state(state, AddNoiseState, "add_noise")
+        check_state(state, AddNoiseState, "fg.add_noise")
         step_key = realize(mix32(state.count & _M32))
         out = {}
         for i, (k, g) in enumerate(grads.items()):
@@ -107,20 +106,3 @@ def add_noise(std: float, seed: int) -> GradientTransformation:
         return out, AddNoiseState(state.count + 1)
 
     return GradientTransformation(init, update)
-
-
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Rescale all gradients together so their joint 2-norm is at most ``max_norm``.
-
-    The same formula as ``torch.nn.utils.clip_grad_norm_`` over every parameter.
-    Used as ``per_sample=`` in :func:`funcgrad.make_step`, it clips each sample's
-    whole gradient (DP-SGD).
-
-    Example:
-        >>> import torch, funcgrad as fg
-        >>> tx = fg.clip_by_global_norm(1.0)
-        >>> tx.update({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, fg.EmptyState())[0]
-        {'a': tensor([0.6000]), 'b': tensor([0.8000])}
-    """
-    rule = clip_norm(max_norm)
-    return stateless(lambda grads, params: rule(grads))

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device
-from ._tree import map2
+from ._tree import tree_map
 
 
 class SkipIfNonfiniteState(NamedTuple):
@@ -37,7 +37,7 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(
-            f"skip_if_nonfinite wraps a GradientTransformation, got {type(tx).__name__}."
+            f"fg.skip_if_nonfinite: wraps a GradientTransformation, got {type(tx).__name__}."
         )
 
     def init(params: Params) -> SkipIfNonfiniteState:
@@ -51,13 +51,13 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
     def update(
         grads: Params, state: SkipIfNonfiniteState, params: Params | None = None
     ) -> tuple[Params, SkipIfNonfiniteState]:
-        check_state(state, SkipIfNonfiniteState, "skip_if_nonfinite")
+        check_state(state, SkipIfNonfiniteState, "fg.skip_if_nonfinite")
         flags = [torch.isfinite(g).all() for g in grads.values()]
         ok = torch.stack(flags).all() if flags else torch.ones_like(state.last_finite)
         updates, inner = tx.update(grads, state.inner, params)
         updates = {k: torch.where(ok, u, torch.zeros_like(u)) for k, u in updates.items()}
         return updates, SkipIfNonfiniteState(
-            map2(lambda new, old: torch.where(ok, new, old), inner, state.inner),
+            tree_map(lambda new, old: torch.where(ok, new, old), inner, state.inner),
             state.skipped + (~ok).to(torch.int64),
             ok,
         )

@@ -3,19 +3,62 @@
 ``torch.load(weights_only=True)`` accepts dicts, lists, tensors and plain values
 but not NamedTuples, so a state is written as nested dicts: a NamedTuple becomes
 ``{"_type": "AdamState", "count": ..., "mu": {...}}``, a tuple becomes
-``{"_type": "tuple", "0": ..., "1": ...}``. Loading walks the structure that
-``tx.init(params)`` makes and fills it, so any mismatch (another transformation,
-another model, another shape or dtype) is named by its path.
+``{"_type": "tuple", "0": ..., "1": ...}``. Both directions walk the state with
+optree's accessors (``funcgrad._tree.flatten``), so every entry has a readable path
+(``state.inner_states[1].mu['fc1.weight']``). Loading takes the structure from
+``tx.init(params)`` and checks the checkpoint against it path by path, so any
+mismatch (another transformation, another model, another shape or dtype) is named.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import optree
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State
+from ._tree import flatten
+
+_PLAIN = (bool, int, float, str)
+_HINT = (
+    " The checkpoint was made by another transformation or for another model; "
+    "rebuild tx and params exactly as when it was saved."
+)
+
+
+def _type_name(container: type) -> str:
+    return "dict" if issubclass(container, Mapping) else container.__name__
+
+
+def _key(entry: optree.PyTreeEntry) -> str:
+    """The key under which a container's child is saved."""
+    if issubclass(entry.type, Mapping):
+        if not isinstance(entry.entry, str) or entry.entry == "_type":
+            raise TypeError(
+                f"fg.state_dict: dict keys must be str (not '_type'), got {[entry.entry]!r}."
+            )
+        return entry.entry
+    if optree.is_namedtuple_class(entry.type):
+        return str(entry.type._fields[entry.entry])  # type: ignore[attr-defined]
+    if entry.type in (tuple, list):
+        return str(entry.entry)
+    raise TypeError(
+        f"fg.state_dict: cannot store a {entry.type.__name__} in a checkpoint; states hold "
+        "tensors in NamedTuples, tuples and dicts."
+    )
+
+
+def _plain_leaf(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return x.detach().clone()
+    if x is None or isinstance(x, _PLAIN):
+        return x
+    raise TypeError(
+        f"fg.state_dict: cannot store a {type(x).__name__} in a checkpoint; states hold "
+        "tensors in NamedTuples, tuples and dicts."
+    )
 
 
 def state_dict(state: State) -> dict[str, Any]:
@@ -31,33 +74,41 @@ def state_dict(state: State) -> dict[str, Any]:
         >>> int(loaded.count), torch.equal(loaded.mu["w"], state.mu["w"])
         (1, True)
     """
-    out = _to_plain(state)
-    if not isinstance(out, dict):
-        out = {"_type": "value", "value": out}
+    accessors, leaves, _ = flatten(state)
+    if len(accessors) == 1 and len(accessors[0]) == 0:  # the state is one leaf
+        return {"_type": "value", "value": _plain_leaf(leaves[0])}
+    out: dict[str, Any] = {}
+    for accessor, leaf in zip(accessors, leaves, strict=True):
+        node = out
+        for depth, entry in enumerate(accessor):
+            key = _key(entry)
+            if not issubclass(entry.type, Mapping):
+                node["_type"] = entry.type.__name__
+            if depth == len(accessor) - 1:
+                node[key] = _plain_leaf(leaf)
+            else:
+                node = node.setdefault(key, {})
     return out
 
 
-def _to_plain(x: Any) -> Any:
-    if isinstance(x, Tensor):
-        return x.detach().clone()
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return {
-            "_type": type(x).__name__,
-            **{f: _to_plain(v) for f, v in zip(x._fields, x, strict=True)},
-        }
-    if isinstance(x, (tuple, list)):
-        return {"_type": type(x).__name__, **{str(i): _to_plain(v) for i, v in enumerate(x)}}
-    if isinstance(x, Mapping):
-        bad = [k for k in x if not isinstance(k, str) or k == "_type"]
-        if bad:
-            raise TypeError(f"fg.state_dict: dict keys must be str (not '_type'), got {bad!r}.")
-        return {k: _to_plain(v) for k, v in x.items()}
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    raise TypeError(
-        f"fg.state_dict: cannot store a {type(x).__name__} in a checkpoint; states hold "
-        "tensors in NamedTuples, tuples and dicts."
-    )
+def _saved(node: Any, path: str) -> Iterator[tuple[str, str, Any]]:
+    """``(path, kind, value)`` for every container and leaf of a saved state dict;
+    ``kind`` is the container's ``_type`` (``"dict"`` for plain dicts) or ``"leaf"``."""
+    if not isinstance(node, Mapping):
+        yield path, "leaf", node
+        return
+    kind = str(node.get("_type", "dict"))
+    yield path, kind, node
+    for k, v in node.items():
+        if k == "_type":
+            continue
+        if kind == "dict":
+            sub = f"{path}[{k!r}]"
+        elif kind in ("tuple", "list"):
+            sub = f"{path}[{k}]"
+        else:
+            sub = f"{path}.{k}"
+        yield from _saved(v, sub)
 
 
 def load_state_dict(
@@ -70,7 +121,7 @@ def load_state_dict(
     bit for bit (see ``tests/test_reliability.py``).
 
     Raises:
-        ValueError / KeyError / TypeError: naming the first path where the checkpoint
+        ValueError / KeyError / TypeError: naming the paths where the checkpoint
         and ``tx`` disagree.
 
     Example:
@@ -82,76 +133,57 @@ def load_state_dict(
         >>> fg.load_state_dict(fg.adamw(amsgrad=True), params, sd)
         Traceback (most recent call last):
         ...
-        KeyError: "fg.load_state_dict: state.nu_max names do not match: missing ['w'], ...
+        KeyError: "fg.load_state_dict: the checkpoint does not match tx.init(params): ...
     """
     template = tx.init(params)
+    accessors, leaves, spec = flatten(template)
     if isinstance(state_dict, Mapping) and state_dict.get("_type") == "value":
-        state_dict = state_dict["value"]
-    return _fill(template, state_dict, "state")
-
-
-def _kind(x: Any) -> str:
-    if isinstance(x, Mapping):
-        return str(x.get("_type", "dict"))
-    return type(x).__name__
-
-
-def _fill(template: Any, saved: Any, path: str) -> Any:
-    hint = (
-        " The checkpoint was made by another transformation or for another model; "
-        "rebuild tx and params exactly as when it was saved."
-    )
-    if isinstance(template, Tensor):
-        if not isinstance(saved, Tensor):
-            raise TypeError(
-                f"fg.load_state_dict: {path} should be a tensor, found {_kind(saved)}.{hint}"
-            )
-        if saved.shape != template.shape or saved.dtype != template.dtype:
-            raise ValueError(
-                f"fg.load_state_dict: {path} has shape {tuple(saved.shape)} and dtype "
-                f"{saved.dtype} in the checkpoint, but tx.init(params) makes "
-                f"{tuple(template.shape)} {template.dtype}.{hint}"
-            )
-        return saved.to(template.device).clone()
-    if isinstance(template, (tuple, list)):
-        name = type(template).__name__
-        if not isinstance(saved, Mapping) or saved.get("_type") != name:
-            raise TypeError(
-                f"fg.load_state_dict: {path} should be a {name}, found {_kind(saved)}.{hint}"
-            )
-        fields = (
-            template._fields
-            if hasattr(template, "_fields")
-            else [str(i) for i in range(len(template))]
-        )
-        extra = sorted(set(saved) - set(fields) - {"_type"})
-        if extra:
-            raise KeyError(f"fg.load_state_dict: {path} has unexpected entries {extra}.{hint}")
-        items = []
-        for f, t in zip(fields, template, strict=True):
-            sep = f".{f}" if hasattr(template, "_fields") else f"[{f}]"
-            if f not in saved:
-                raise KeyError(
-                    f"fg.load_state_dict: {path}{sep} is missing from the checkpoint.{hint}"
+        saved_root: Any = state_dict["value"]
+    else:
+        saved_root = state_dict
+    saved = {p: (kind, v) for p, kind, v in _saved(saved_root, "state")}
+    # Containers first: a NamedTuple of another type is the clearest message.
+    for accessor in accessors:
+        for depth, entry in enumerate(accessor):
+            where = accessor[:depth].codify("state")
+            found = saved.get(where, ("missing", None))[0]
+            if where in saved and found != _type_name(entry.type):
+                raise TypeError(
+                    f"fg.load_state_dict: {where} should be a {_type_name(entry.type)}, "
+                    f"found {found}.{_HINT}"
                 )
-            items.append(_fill(t, saved[f], path + sep))
-        return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
-    if isinstance(template, Mapping):
-        if not isinstance(saved, Mapping) or "_type" in saved:
-            raise TypeError(
-                f"fg.load_state_dict: {path} should be a dict, found {_kind(saved)}.{hint}"
-            )
-        missing = sorted(template.keys() - saved.keys())
-        extra = sorted(saved.keys() - template.keys())
-        if missing or extra:
-            raise KeyError(
-                f"fg.load_state_dict: {path} names do not match: missing {missing}, "
-                f"unexpected {extra}.{hint}"
-            )
-        return {k: _fill(v, saved[k], f"{path}[{k!r}]") for k, v in template.items()}
-    if template != saved:
-        raise ValueError(
-            f"fg.load_state_dict: {path} is {saved!r} in the checkpoint, "
-            f"expected {template!r}.{hint}"
+    paths = [a.codify("state") for a in accessors]
+    saved_leaves = [p for p, (kind, _) in saved.items() if kind == "leaf"]
+    saved_leaves += [p for p, (kind, v) in saved.items() if kind != "leaf" and p in paths]
+    if sorted(paths) != sorted(saved_leaves):
+        missing = [p for p in paths if p not in saved_leaves]
+        extra = [p for p in saved_leaves if p not in paths]
+        raise KeyError(
+            "fg.load_state_dict: the checkpoint does not match tx.init(params): missing "
+            f"{', '.join(missing) or '(none)'}; unexpected {', '.join(extra) or '(none)'}."
+            f"{_HINT}"
         )
-    return template
+    loaded = []
+    for path, want in zip(paths, leaves, strict=True):
+        kind, value = saved[path]
+        if isinstance(want, Tensor):
+            if not isinstance(value, Tensor):
+                found = kind if kind != "leaf" else type(value).__name__
+                raise TypeError(
+                    f"fg.load_state_dict: {path} should be a tensor, found {found}.{_HINT}"
+                )
+            if value.shape != want.shape or value.dtype != want.dtype:
+                raise ValueError(
+                    f"fg.load_state_dict: {path} has shape {tuple(value.shape)} and dtype "
+                    f"{value.dtype} in the checkpoint, but tx.init(params) makes "
+                    f"{tuple(want.shape)} {want.dtype}.{_HINT}"
+                )
+            loaded.append(value.to(want.device).clone())
+        elif value != want:
+            raise ValueError(
+                f"fg.load_state_dict: {path} is {value!r} in the checkpoint, "
+                f"expected {want!r}.{_HINT}"
+            )
+        else:
+            loaded.append(want)
+    return optree.tree_unflatten(spec, loaded)

@@ -1,9 +1,14 @@
 """Training steps: gradients, transformation and update as one pure function.
 
-``make_step`` builds ``step(params, state, *batch) -> (params, state, loss)``. All
-checks that need Python (names, structure, batch arity, donation safety) run
-before tracing, so the traced step is pure tensor code: one graph under
-``torch.compile(fullgraph=True)``.
+``make_step`` builds ``step(params, state, *batch) -> (params, state, loss)`` from
+three parts, each a function of its own:
+
+- :class:`_Checks`: everything that needs Python (names, structure, batch arity,
+  donation safety) runs before tracing, so the traced step is pure tensor code;
+- :func:`_gradients`: ``torch.func.grad`` of the loss, or per-sample gradients
+  (built from the same vmapped function as :func:`per_sample_grads`);
+- ``update``: ``tx.update`` + ``apply_updates``, then (``donate=True``) writes into
+  the given tensors.
 """
 
 from __future__ import annotations
@@ -15,11 +20,11 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
-from torch.func import grad, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
 from ._base import GradientTransformation, Params, State, apply_updates
-from ._model import PER_SAMPLE_BATCHNORM
-from ._tree import copy_into, leaves_with_paths
+from ._model import explain_buffer_write
+from ._tree import copy_into, tensor_paths
 
 LossFn = Callable[..., Any]
 
@@ -48,13 +53,37 @@ def _check_batch(batch: tuple[Any, ...], who: str) -> int:
     return sizes[0]
 
 
-def _explain_vmap_error(err: Exception) -> Exception | None:
-    msg = str(err)
-    if "Expected more than 1 value per channel when training" in msg or (
-        "vmap" in msg and "running_mean" in msg
-    ):
-        return RuntimeError(f"{PER_SAMPLE_BATCHNORM}\nOriginal error: {msg}")
-    return None
+def _vmapped_grads(
+    loss_fn: LossFn, has_aux: bool, each: GradientTransformation | None = None
+) -> Callable[..., tuple[Params, Tensor, Any]]:
+    """``fn(params, *batch) -> (grads, losses, aux)``, all with a leading batch dim.
+
+    ``loss_fn`` sees one sample at a time with its batch dimension restored as 1, so
+    a mean-over-batch loss works unchanged; ``each`` (stateless) transforms every
+    sample's gradients inside the vmap.
+    """
+
+    def one(params: Params, *sample: Tensor) -> Any:
+        return loss_fn(params, *(s.unsqueeze(0) for s in sample))
+
+    def one_grad(params: Params, *sample: Tensor) -> tuple[Params, Any]:
+        g, out = grad_and_value(one, has_aux=has_aux)(params, *sample)
+        if each is not None:
+            g, _ = each.update(g, each.init(params), params)
+        return g, out
+
+    def fn(params: Params, *batch: Tensor) -> tuple[Params, Tensor, Any]:
+        g, out = vmap(one_grad, in_dims=(None,) + (0,) * len(batch))(params, *batch)
+        losses, aux = out if has_aux else (out, None)
+        return g, losses, aux
+
+    return fn
+
+
+def _raise_explained(err: BaseException, per_sample: bool) -> None:
+    better = explain_buffer_write(err, per_sample=per_sample)
+    if better is not None:
+        raise better from err
 
 
 def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., Any]:
@@ -73,23 +102,39 @@ def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[...,
         >>> g["weight"].shape
         torch.Size([8, 1, 3])
     """
-
-    def one(params: Params, *sample: Tensor) -> Any:
-        return loss_fn(params, *(s.unsqueeze(0) for s in sample))
-
-    g = grad(one, has_aux=has_aux)
+    batched = _vmapped_grads(loss_fn, has_aux)
 
     def fn(params: Params, *batch: Tensor) -> Any:
         _check_batch(batch, "fg.per_sample_grads")
         try:
-            return vmap(g, in_dims=(None,) + (0,) * len(batch))(params, *batch)
+            g, _, aux = batched(params, *batch)
         except (RuntimeError, ValueError) as err:
-            better = _explain_vmap_error(err)
-            if better is None:
-                raise
-            raise better from err
+            _raise_explained(err, per_sample=True)
+            raise
+        return (g, aux) if has_aux else g
 
     return fn
+
+
+def _gradients(
+    loss_fn: LossFn, has_aux: bool, per_sample: GradientTransformation | None
+) -> Callable[..., tuple[Params, Tensor, Any]]:
+    """``fn(params, *batch) -> (grads, loss, aux)`` for the step (traced)."""
+    if per_sample is None:
+
+        def plain(params: Params, *batch: Any) -> tuple[Params, Tensor, Any]:
+            grads, out = grad_and_value(loss_fn, has_aux=has_aux)(params, *batch)
+            loss, aux = out if has_aux else (out, None)
+            return grads, loss, aux
+
+        return plain
+    batched = _vmapped_grads(loss_fn, has_aux, each=per_sample)
+
+    def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any]:
+        g, losses, aux = batched(params, *batch)
+        return {k: v.mean(0) for k, v in g.items()}, losses.mean(), aux
+
+    return averaged
 
 
 def _meta(tree: Any) -> Any:
@@ -101,22 +146,77 @@ def _meta(tree: Any) -> Any:
 def _check_donation(params: Params, state: State) -> None:
     seen: dict[int, str] = {}
     for where, tree in (("params", params), ("state", state)):
-        for path, t in leaves_with_paths(tree, where):
+        for path, t in tensor_paths(tree, where):
             if t.requires_grad:
                 raise ValueError(
-                    f"make_step(donate=True): {path} requires grad, so it cannot be "
+                    f"fg.make_step(donate=True): {path} requires grad, so it cannot be "
                     "updated in place. Pass fg.params(model) (detached) rather than "
                     "dict(model.named_parameters())."
                 )
             key = t.untyped_storage().data_ptr()
             if t.numel() and key in seen:
                 raise ValueError(
-                    f"make_step(donate=True): {path} shares memory with {seen[key]}. "
+                    f"fg.make_step(donate=True): {path} shares memory with {seen[key]}. "
                     "Donated tensors are written in place, so they must not be views of "
                     "each other; clone one of them (or tie the weights in the module and "
                     "take fg.params(model), which lists a tied parameter once)."
                 )
             seen[key] = path
+
+
+class _Checks:
+    """The checks that need Python, run before anything is traced.
+
+    They run again whenever the structure of the inputs (or, with donation, the
+    identity of the donated tensors) differs from the previous call's; a training
+    loop that calls the step with the same dicts pays one tuple comparison per step.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        tx: GradientTransformation,
+        per_sample: GradientTransformation | None,
+        donate: bool,
+    ) -> None:
+        self.tx, self.per_sample, self.donate = tx, per_sample, donate
+        try:
+            self.sig: inspect.Signature | None = inspect.signature(loss_fn)
+        except (TypeError, ValueError):  # builtins and some C callables
+            self.sig = None
+        self.last: Any = None
+
+    def __call__(self, params: Params, state: State, batch: tuple[Any, ...]) -> None:
+        if self.per_sample is not None:  # shapes can change between calls: always check
+            _check_batch(batch, "fg.make_step(per_sample=...)")
+        flat, spec = optree.tree_flatten((params, state))  # type: ignore[arg-type,var-annotated]
+        key = (spec, tuple(map(id, flat)) if self.donate else (), len(batch))
+        if key == self.last:
+            return
+        if self.sig is not None:
+            try:
+                self.sig.bind(params, *batch)
+            except TypeError as err:
+                raise TypeError(
+                    f"fg.make_step: loss_fn{self.sig} cannot be called with params and "
+                    f"{len(batch)} batch argument(s): {err}. step(params, state, *batch) "
+                    "passes *batch to loss_fn(params, *batch)."
+                ) from None
+        if self.per_sample is not None and tensor_paths(self.per_sample.init(_meta(params))):
+            raise TypeError(
+                "fg.make_step: per_sample must be stateless (its init returns no "
+                "tensors), since it runs once per sample under vmap and nothing "
+                "could carry its state from step to step. Put stateful "
+                "transformations (Adam, add_noise, monitor) in tx instead."
+            )
+        if self.donate:
+            _check_donation(params, state)
+        try:  # run the transformation's own checks on shape-only tensors
+            mp = _meta(params)
+            self.tx.update(mp, _meta(state), mp)
+        except NotImplementedError:
+            pass
+        self.last = key
 
 
 def make_step(
@@ -163,40 +263,19 @@ def make_step(
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(
-            f"make_step: tx must be a GradientTransformation (e.g. fg.adam()), got "
+            f"fg.make_step: tx must be a GradientTransformation (e.g. fg.adam()), got "
             f"{type(tx).__name__}."
         )
     if per_sample is not None and not isinstance(per_sample, GradientTransformation):
         raise TypeError(
-            "make_step: per_sample must be a stateless GradientTransformation, e.g. "
+            "fg.make_step: per_sample must be a stateless GradientTransformation, e.g. "
             f"fg.per_group(fg.rules.clip_norm(1.0), groups); got {type(per_sample).__name__}."
         )
-    try:
-        sig: inspect.Signature | None = inspect.signature(loss_fn)
-    except (TypeError, ValueError):  # builtins and some C callables
-        sig = None
-
-    def grads_and_loss(params: Params, batch: tuple[Any, ...]) -> tuple[Params, Tensor, Any]:
-        if per_sample is None:
-            grads, out = grad_and_value(loss_fn, has_aux=has_aux)(params, *batch)
-            loss, aux = out if has_aux else (out, None)
-            return grads, loss, aux
-        ps_state = per_sample.init(params)
-
-        def one(p: Params, *sample: Tensor) -> Any:
-            return loss_fn(p, *(s.unsqueeze(0) for s in sample))
-
-        def one_grad(p: Params, *sample: Tensor) -> tuple[Params, Any]:
-            g, out = grad_and_value(one, has_aux=has_aux)(p, *sample)
-            g, _ = per_sample.update(g, ps_state, p)
-            return g, out
-
-        g, out = vmap(one_grad, in_dims=(None,) + (0,) * len(batch))(params, *batch)
-        losses, aux = out if has_aux else (out, None)
-        return {k: v.mean(0) for k, v in g.items()}, losses.mean(), aux
+    gradients = _gradients(loss_fn, has_aux, per_sample)
+    checks = _Checks(loss_fn, tx, per_sample, donate)
 
     def step_impl(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
-        grads, loss, aux = grads_and_loss(params, batch)
+        grads, loss, aux = gradients(params, *batch)
         updates, new_state = tx.update(grads, state, params)
         new_params = apply_updates(params, updates)
         if donate:
@@ -205,53 +284,18 @@ def make_step(
         out = (new_params, new_state, loss.detach())
         return (*out, aux) if has_aux else out
 
-    if isinstance(compile, dict):
-        impl = torch.compile(step_impl, **{**compile, "fullgraph": True})
+    if isinstance(compile, dict) or compile:
+        options = compile if isinstance(compile, dict) else {}
+        impl = torch.compile(step_impl, **{**options, "fullgraph": True})
     else:
-        impl = torch.compile(step_impl, fullgraph=True) if compile else step_impl
-    checked: set[tuple[Any, ...]] = set()
+        impl = step_impl
 
     def step(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
-        # Python-side checks, once per distinct input structure: cheap on the hot path
-        # and always before torch.compile starts tracing.
-        if per_sample is not None:  # shapes can change between calls: always check
-            _check_batch(batch, "make_step(per_sample=...)")
-        flat, spec = optree.tree_flatten((params, state))  # type: ignore[arg-type,var-annotated]
-        key = (spec, tuple(map(id, flat)) if donate else (), len(batch))
-        if key not in checked:
-            if sig is not None:
-                try:
-                    sig.bind(params, *batch)
-                except TypeError as err:
-                    raise TypeError(
-                        f"make_step: loss_fn{sig} cannot be called with params and "
-                        f"{len(batch)} batch argument(s): {err}. step(params, state, *batch) "
-                        "passes *batch to loss_fn(params, *batch)."
-                    ) from None
-            if per_sample is not None:
-                if leaves_with_paths(per_sample.init(_meta(params))):
-                    raise TypeError(
-                        "make_step: per_sample must be stateless (its init returns no "
-                        "tensors), since it runs once per sample under vmap and nothing "
-                        "could carry its state from step to step. Put stateful "
-                        "transformations (Adam, add_noise, monitor) in tx instead."
-                    )
-            if donate:
-                _check_donation(params, state)
-            try:  # run the transformation's own checks on shape-only tensors
-                mp = _meta(params)
-                tx.update(mp, _meta(state), mp)
-            except NotImplementedError:
-                pass
-            if len(checked) > 64:
-                checked.clear()
-            checked.add(key)
+        checks(params, state, batch)
         try:
             return impl(params, state, *batch)
         except (RuntimeError, ValueError) as err:
-            better = _explain_vmap_error(err) if per_sample is not None else None
-            if better is None:
-                raise
-            raise better from err
+            _raise_explained(err, per_sample=per_sample is not None)
+            raise
 
     return step

@@ -1,4 +1,4 @@
-"""Transformations built from rules and labels: per_group, partition, monitor."""
+"""Transformations built from rules and groups: per_group, monitor, clip_by_global_norm."""
 
 from __future__ import annotations
 
@@ -8,16 +8,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._base import EmptyState, GradientTransformation, Params, State, check_floating
+from ._base import EmptyState, GradientTransformation, Params, State, check_floating, stateless
 from ._groups import Groups, as_groups
-from .rules import (
-    all_zero,
-    any_nonfinite,
-    check_is_rule,
-    check_same_structure,
-    group_norm,
-    zero_count,
-)
+from ._rule_base import apply_rule, check_is_rule, group_norm, zero_count
+from .rules import all_zero, any_nonfinite, clip_norm
 
 
 def per_group(
@@ -46,123 +40,26 @@ def per_group(
     """
     if isinstance(rule, GradientTransformation):
         raise TypeError(
-            "per_group: rule is a GradientTransformation; per_group takes a rule "
+            "fg.per_group: rule is a GradientTransformation; per_group takes a rule "
             "(dict -> dict), e.g. fg.rules.zero_fix(). Use fg.chain to combine transformations."
         )
-    check_is_rule(rule, "per_group: rule")
+    check_is_rule(rule, "fg.per_group: rule")
     groups = as_groups(groups)
 
     def init(params: Params) -> EmptyState:
-        groups.check_against(params, "per_group.init")
-        check_floating({n: params[n] for names in groups.values() for n in names}, "per_group.init")
+        groups.check_against(params, "fg.per_group.init")
+        members = {n: params[n] for names in groups.values() for n in names}
+        check_floating(members, "fg.per_group.init")
         return EmptyState()
 
     def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
-        groups.check_against(grads, "per_group.update")
+        groups.check_against(grads, "fg.per_group.update")
         out = dict(grads)
         for names in groups.values():
-            group = {n: grads[n] for n in names}
-            new = rule(group)
-            check_same_structure(group, new, rule)
-            out.update(new)
+            out.update(apply_rule(rule, {n: grads[n] for n in names}))
         return out, state
 
     return GradientTransformation(init, update)
-
-
-class PartitionState(NamedTuple):
-    """The state of :func:`partition`: one inner state per label."""
-
-    inner_states: dict[str, State]
-
-
-def partition(
-    transforms: Mapping[str, GradientTransformation],
-    labels: Mapping[str, str] | Callable[[Params], Mapping[str, str]],
-) -> GradientTransformation:
-    """Send each parameter's gradient to the transformation of its label (optax-style).
-
-    Each inner transformation sees only the sub-dict of its parameters.
-
-    Args:
-        transforms: ``label -> transformation``.
-        labels: ``parameter name -> label``, or a function ``params -> that dict``.
-
-    Example:
-        >>> import torch, funcgrad as fg
-        >>> tx = fg.partition({"train": fg.adam(lr=0.1), "frozen": fg.set_to_zero()},
-        ...                   {"w": "train", "b": "frozen"})
-        >>> params = {"w": torch.zeros(1), "b": torch.zeros(1)}
-        >>> grads = {"w": torch.ones(1), "b": torch.ones(1)}
-        >>> updates, _ = tx.update(grads, tx.init(params), params)
-        >>> updates
-        {'w': tensor([-0.1000]), 'b': tensor([0.])}
-    """
-    transforms = dict(transforms)
-    for k, t in transforms.items():
-        if not isinstance(t, GradientTransformation):
-            raise TypeError(
-                f"partition: transforms['{k}'] is a {type(t).__name__}, not a "
-                "GradientTransformation."
-            )
-
-    def resolve(params: Mapping[str, Tensor]) -> dict[str, str]:
-        lab = dict(labels(dict(params)) if callable(labels) else labels)
-        missing = sorted(params.keys() - lab.keys())
-        extra = sorted(lab.keys() - params.keys())
-        if missing or extra:
-            raise KeyError(
-                f"partition: labels must name every parameter exactly. Missing labels "
-                f"for {missing}; labels for unknown parameters {extra}."
-            )
-        unknown = sorted({v for v in lab.values() if v not in transforms})
-        if unknown:
-            raise KeyError(
-                f"partition: labels {unknown} have no transformation. Known labels: "
-                f"{sorted(transforms)}; add them to the transforms dict."
-            )
-        return lab
-
-    def split(tree: Mapping[str, Tensor], lab: dict[str, str]) -> dict[str, Params]:
-        parts: dict[str, Params] = {k: {} for k in transforms}
-        for n, t in tree.items():
-            parts[lab[n]][n] = t
-        return parts
-
-    def init(params: Params) -> PartitionState:
-        parts = split(params, resolve(params))
-        return PartitionState({k: t.init(parts[k]) for k, t in transforms.items()})
-
-    def update(
-        grads: Params, state: PartitionState, params: Params | None = None
-    ) -> tuple[Params, PartitionState]:
-        lab = resolve(grads if params is None else params)
-        g_parts = split(grads, lab)
-        p_parts = split(params, lab) if params is not None else None
-        out: Params = {}
-        new_states = {}
-        for k, t in transforms.items():
-            u, new_states[k] = t.update(
-                g_parts[k], state.inner_states[k], None if p_parts is None else p_parts[k]
-            )
-            out.update(u)
-        # Keep the caller's key order (dict order matters for pytree flattening).
-        return {n: out[n] for n in grads}, PartitionState(new_states)
-
-    return GradientTransformation(init, update)
-
-
-def set_to_zero() -> GradientTransformation:
-    """Replace every update by zeros (for frozen partitions).
-
-    Example:
-        >>> import torch, funcgrad as fg
-        >>> fg.set_to_zero().update({"w": torch.ones(2)}, fg.EmptyState())[0]
-        {'w': tensor([0., 0.])}
-    """
-    from ._base import stateless
-
-    return stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()})
 
 
 _all_zero = all_zero()
@@ -202,7 +99,7 @@ def monitor(
     stats = tuple(stats)
     bad = [s for s in stats if s not in STATS]
     if bad or not stats:
-        raise ValueError(f"monitor: unknown stats {bad}; choose from {STATS}.")
+        raise ValueError(f"fg.monitor: unknown stats {bad}; choose from {STATS}.")
 
     def compute(group: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -219,7 +116,7 @@ def monitor(
         return out
 
     def init(params: Params) -> MonitorState:
-        groups.check_against(params, "monitor.init")
+        groups.check_against(params, "fg.monitor.init")
         return MonitorState(
             {
                 g: compute({n: torch.zeros_like(params[n]) for n in names})
@@ -230,8 +127,26 @@ def monitor(
     def update(
         grads: Params, state: State, params: Params | None = None
     ) -> tuple[Params, MonitorState]:
-        groups.check_against(grads, "monitor.update")
+        groups.check_against(grads, "fg.monitor.update")
         new = {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
         return grads, MonitorState(new)
 
     return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Rescale all gradients together so their joint 2-norm is at most ``max_norm``.
+
+    The same formula as ``torch.nn.utils.clip_grad_norm_`` over every parameter
+    (:func:`funcgrad.rules.clip_norm` with every parameter in one group). Used as
+    ``per_sample=`` in :func:`funcgrad.make_step`, it clips each sample's whole
+    gradient (DP-SGD).
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.clip_by_global_norm(1.0)
+        >>> tx.update({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, fg.EmptyState())[0]
+        {'a': tensor([0.6000]), 'b': tensor([0.8000])}
+    """
+    rule = clip_norm(max_norm)
+    return stateless(lambda grads, params: rule(grads))

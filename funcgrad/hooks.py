@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ._groups import Groups, as_groups
-from .rules import check_is_rule, check_same_structure
+from ._rule_base import apply_rule, check_is_rule
 
 __all__ = ["RuleHandle", "attach"]
 
@@ -88,8 +88,7 @@ def attach(
                     if g is None:  # unused in this pass: a zero gradient
                         g = p.grad = torch.zeros_like(p)
                     group[n] = g
-                new = rule(group)
-                check_same_structure(group, new, rule)
+                new = apply_rule(rule, group)
                 for n, g in group.items():
                     g.copy_(new[n])
 

@@ -10,18 +10,35 @@ The seed rule, for each group (e.g. all parameters of one ``nn.Linear``)::
 
     zero_fix() == when(all_zero(), fill(1.0), otherwise=replace_zeros(0.5))
 
-Any callable ``group -> group`` is a rule; the classes here only add a readable
-``repr`` and the ``&``, ``|``, ``~`` operators on conditions.
+Any callable ``group -> group`` is a rule; :class:`Rule` and :class:`Condition` only
+add a readable ``repr`` and the ``&``, ``|``, ``~`` operators on conditions.
+
+Zero tests take ``atol`` (default 0.0, exact): an entry with ``|g| <= atol`` counts as
+zero. A gradient that is mathematically zero can come out as 1e-17 on another kernel
+path (the key bias of an attention layer, a convolution's bias right before a
+BatchNorm), and an exact test then flips; see the README's "Exact zeros" section.
 """
 
 from __future__ import annotations
 
-import math
-import types
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
+
+from ._rule_base import (
+    Condition,
+    Group,
+    Rule,
+    any_of,
+    apply_rule,
+    check_is_rule,
+    group_norm,
+    is_zero,
+    number,
+    zero_count,
+)
 
 __all__ = [
     "Condition",
@@ -36,96 +53,29 @@ __all__ = [
     "replace_nonfinite",
     "replace_zeros",
     "scale",
+    "unchanged",
     "when",
     "zero_fix",
     "zero_fraction_above",
 ]
 
-Group = Mapping[str, Tensor]
+
+def _atol(atol: object, who: str) -> float:
+    a = number(atol, f"fg.rules.{who}: atol")
+    if a < 0:
+        raise ValueError(f"fg.rules.{who}: atol must be >= 0, got {a}.")
+    return a
 
 
-class Condition:
-    """A named function ``group -> 0-d bool tensor``; combine with ``&``, ``|``, ``~``.
-
-    Example:
-        >>> import torch
-        >>> from funcgrad import rules
-        >>> c = rules.all_zero() | rules.any_nonfinite()
-        >>> c
-        (all_zero() | any_nonfinite())
-        >>> c({"w": torch.tensor([0.0, float("nan")])})
-        tensor(True)
-    """
-
-    def __init__(self, fn: Callable[[Group], Tensor], name: str) -> None:
-        self._fn = fn
-        self._name = name
-
-    def __call__(self, group: Group) -> Tensor:
-        return self._fn(group)
-
-    def __repr__(self) -> str:
-        return self._name
-
-    def __and__(self, other: Condition) -> Condition:
-        return Condition(lambda g: self(g) & other(g), f"({self} & {other})")
-
-    def __or__(self, other: Condition) -> Condition:
-        return Condition(lambda g: self(g) | other(g), f"({self} | {other})")
-
-    def __invert__(self) -> Condition:
-        return Condition(lambda g: ~self(g), f"~{self}")
-
-
-class Rule:
-    """A named rule ``group -> group`` (same keys, shapes and dtypes)."""
-
-    def __init__(self, fn: Callable[[Group], dict[str, Tensor]], name: str) -> None:
-        self._fn = fn
-        self._name = name
-
-    def __call__(self, group: Group) -> dict[str, Tensor]:
-        return self._fn(group)
-
-    def __repr__(self) -> str:
-        return self._name
-
-
-def _number(value: object, what: str, *, finite: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a real number, got {value!r}.")
-    if finite and not math.isfinite(value):
-        raise ValueError(f"{what} must be finite, got {value!r}.")
-    return float(value)
-
-
-def _any(flags: list[Tensor]) -> Tensor:
-    # One 0-d bool per tensor, reduced once: stays on the device, no host sync.
-    return torch.stack(flags).any()
-
-
-def group_norm(group: Group) -> Tensor:
-    """The 2-norm of all entries of the group, as ``torch.nn.utils.clip_grad_norm_``.
-
-    Half-precision gradients are accumulated in float32.
-    """
-    norms = []
-    for g in group.values():
-        acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
-        norms.append(torch.linalg.vector_norm(g, 2, dtype=acc))
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
-
-
-def zero_count(group: Group) -> Tensor:
-    """The number of exact zeros among all entries of the group (0-d int64)."""
-    return torch.stack([t.eq(0).sum() for t in group.values()]).sum()
+def _suffix(atol: float) -> str:
+    return "" if atol == 0.0 else f"atol={atol}"
 
 
 # ----------------------------------------------------------------- conditions
 
 
-def all_zero() -> Condition:
-    """True where every entry of every gradient in the group is exactly 0.
+def all_zero(atol: float = 0.0) -> Condition:
+    """True where every entry of every gradient in the group is zero (``|g| <= atol``).
 
     ``-0.0`` counts as zero; ``NaN`` does not.
 
@@ -134,12 +84,20 @@ def all_zero() -> Condition:
         >>> from funcgrad import rules
         >>> rules.all_zero()({"w": torch.zeros(2), "b": torch.tensor([0.0, 1e-30])})
         tensor(False)
+        >>> rules.all_zero(atol=1e-12)({"w": torch.zeros(2), "b": torch.tensor([0.0, 1e-30])})
+        tensor(True)
     """
-    return Condition(lambda g: ~_any([t.ne(0).any() for t in g.values()]), "all_zero()")
+    a = _atol(atol, "all_zero")
+    if a == 0.0:
+        return Condition(lambda g: ~any_of([t.ne(0).any() for t in g.values()]), "all_zero()")
+    # ~(|t| > atol).any() rather than (|t| <= atol).all(): NaN is not zero either way.
+    return Condition(
+        lambda g: ~any_of([(~is_zero(t, a)).any() for t in g.values()]), f"all_zero(atol={a})"
+    )
 
 
-def any_zero() -> Condition:
-    """True where at least one entry in the group is exactly 0.
+def any_zero(atol: float = 0.0) -> Condition:
+    """True where at least one entry in the group is zero (``|g| <= atol``).
 
     Example:
         >>> import torch
@@ -147,7 +105,10 @@ def any_zero() -> Condition:
         >>> rules.any_zero()({"w": torch.tensor([1.0, -0.0])})
         tensor(True)
     """
-    return Condition(lambda g: _any([t.eq(0).any() for t in g.values()]), "any_zero()")
+    a = _atol(atol, "any_zero")
+    return Condition(
+        lambda g: any_of([is_zero(t, a).any() for t in g.values()]), f"any_zero({_suffix(a)})"
+    )
 
 
 def any_nonfinite() -> Condition:
@@ -160,13 +121,13 @@ def any_nonfinite() -> Condition:
         tensor(True)
     """
     return Condition(
-        lambda g: _any([torch.isfinite(t).logical_not().any() for t in g.values()]),
+        lambda g: any_of([torch.isfinite(t).logical_not().any() for t in g.values()]),
         "any_nonfinite()",
     )
 
 
-def zero_fraction_above(p: float) -> Condition:
-    """True where the fraction of exact zeros among all the group's entries is > ``p``.
+def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
+    """True where the fraction of zeros (``|g| <= atol``) among the group's entries is > ``p``.
 
     Example:
         >>> import torch
@@ -174,19 +135,20 @@ def zero_fraction_above(p: float) -> Condition:
         >>> rules.zero_fraction_above(0.5)({"w": torch.tensor([0.0, 0.0, 1.0])})
         tensor(True)
     """
-    p = _number(p, "zero_fraction_above: p")
+    p = number(p, "fg.rules.zero_fraction_above: p")
+    a = _atol(atol, "zero_fraction_above")
     if not 0.0 <= p < 1.0:
         raise ValueError(
-            f"zero_fraction_above: p must be in [0, 1), got {p}. p=0 means 'any zero' "
-            "(see any_zero()); p=1 could never be exceeded (see all_zero())."
+            f"fg.rules.zero_fraction_above: p must be in [0, 1), got {p}. p=0 means 'any "
+            "zero' (see any_zero()); p=1 could never be exceeded (see all_zero())."
         )
 
     def cond(g: Group) -> Tensor:
         total = sum(t.numel() for t in g.values())
         # Integer count against a host float threshold: no rounding of the fraction.
-        return zero_count(g) > p * total
+        return zero_count(g, a) > p * total
 
-    return Condition(cond, f"zero_fraction_above({p})")
+    return Condition(cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})")
 
 
 def norm_above(x: float) -> Condition:
@@ -198,25 +160,44 @@ def norm_above(x: float) -> Condition:
         >>> rules.norm_above(4.0)({"w": torch.tensor([3.0, 4.0])})
         tensor(True)
     """
-    x = _number(x, "norm_above: x")
+    x = number(x, "fg.rules.norm_above: x")
     if x < 0:
-        raise ValueError(f"norm_above: x must be >= 0, got {x}; a norm is never negative.")
+        raise ValueError(f"fg.rules.norm_above: x must be >= 0, got {x}; a norm is never negative.")
     return Condition(lambda g: group_norm(g) > x, f"norm_above({x})")
 
 
 # -------------------------------------------------------------------- actions
 
 
-def identity() -> Rule:
-    """Leave the group unchanged.
+def unchanged() -> Rule:
+    """Leave the group as it is (the default ``otherwise`` of :func:`when`).
 
     Example:
         >>> import torch
         >>> from funcgrad import rules
-        >>> rules.identity()({"w": torch.ones(1)})
+        >>> rules.unchanged()({"w": torch.ones(1)})
         {'w': tensor([1.])}
     """
-    return Rule(lambda g: dict(g), "identity()")
+    return Rule(lambda g: dict(g), "unchanged()")
+
+
+def identity() -> Rule:
+    """Deprecated spelling of :func:`unchanged` (``fg.identity()`` is a transformation).
+
+    Example:
+        >>> import warnings
+        >>> from funcgrad import rules
+        >>> with warnings.catch_warnings(record=True):
+        ...     rules.identity()
+        unchanged()
+    """
+    warnings.warn(
+        "fg.rules.identity() is renamed fg.rules.unchanged() (fg.identity() is the "
+        "transformation that passes gradients through); the old name will be removed.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return unchanged()
 
 
 def fill(value: float) -> Rule:
@@ -228,12 +209,12 @@ def fill(value: float) -> Rule:
         >>> rules.fill(1.0)({"w": torch.zeros(2, dtype=torch.float16)})
         {'w': tensor([1., 1.], dtype=torch.float16)}
     """
-    v = _number(value, "fill: value")
+    v = number(value, "fg.rules.fill: value")
     return Rule(lambda g: {k: torch.full_like(t, v) for k, t in g.items()}, f"fill({v})")
 
 
-def replace_zeros(value: float) -> Rule:
-    """Set every entry that is exactly 0 (or -0.0) to ``value``; keep the others.
+def replace_zeros(value: float, atol: float = 0.0) -> Rule:
+    """Set every zero entry (``|g| <= atol``; ``-0.0`` too) to ``value``; keep the others.
 
     Example:
         >>> import torch
@@ -241,10 +222,11 @@ def replace_zeros(value: float) -> Rule:
         >>> rules.replace_zeros(0.5)({"w": torch.tensor([0.0, 2.0])})
         {'w': tensor([0.5000, 2.0000])}
     """
-    v = _number(value, "replace_zeros: value")
+    v = number(value, "fg.rules.replace_zeros: value")
+    a = _atol(atol, "replace_zeros")
     return Rule(
-        lambda g: {k: torch.where(t == 0, v, t) for k, t in g.items()},
-        f"replace_zeros({v})",
+        lambda g: {k: torch.where(is_zero(t, a), v, t) for k, t in g.items()},
+        f"replace_zeros({v}{', atol=' + str(a) if a else ''})",
     )
 
 
@@ -257,7 +239,7 @@ def replace_nonfinite(value: float = 0.0) -> Rule:
         >>> rules.replace_nonfinite()({"w": torch.tensor([float("nan"), 2.0])})
         {'w': tensor([0., 2.])}
     """
-    v = _number(value, "replace_nonfinite: value")
+    v = number(value, "fg.rules.replace_nonfinite: value")
     return Rule(
         lambda g: {k: torch.where(torch.isfinite(t), t, v) for k, t in g.items()},
         f"replace_nonfinite({v})",
@@ -273,7 +255,7 @@ def scale(factor: float) -> Rule:
         >>> rules.scale(0.5)({"w": torch.tensor([2.0])})
         {'w': tensor([1.])}
     """
-    f = _number(factor, "scale: factor")
+    f = number(factor, "fg.rules.scale: factor")
     return Rule(lambda g: {k: t * f for k, t in g.items()}, f"scale({f})")
 
 
@@ -289,9 +271,9 @@ def clip_norm(max_norm: float) -> Rule:
         >>> rules.clip_norm(1.0)({"w": torch.tensor([3.0, 4.0])})
         {'w': tensor([0.6000, 0.8000])}
     """
-    m = _number(max_norm, "clip_norm: max_norm")
+    m = number(max_norm, "fg.rules.clip_norm: max_norm")
     if m <= 0:
-        raise ValueError(f"clip_norm: max_norm must be > 0, got {m}.")
+        raise ValueError(f"fg.rules.clip_norm: max_norm must be > 0, got {m}.")
 
     def rule(g: Group) -> dict[str, Tensor]:
         coef = torch.clamp(m / (group_norm(g) + 1e-6), max=1.0)
@@ -303,45 +285,6 @@ def clip_norm(max_norm: float) -> Rule:
 # ------------------------------------------------------------------ combinators
 
 
-def check_is_rule(fn: object, what: str) -> None:
-    """Reject non-callables and un-called factories such as ``rules.zero_fix``."""
-    factory = (
-        isinstance(fn, types.FunctionType) and fn.__module__ == __name__ and fn.__name__ in __all__
-    )
-    if factory:
-        name = getattr(fn, "__name__", "?")
-        raise TypeError(
-            f"{what} must be a rule or condition, got the function rules.{name}. "
-            f"Did you pass rules.{name} instead of rules.{name}(...)? The "
-            "functions in fg.rules build rules; call them first."
-        )
-    if not callable(fn):
-        raise TypeError(
-            f"{what} must be a rule or condition (a callable group -> group), got a "
-            f"{type(fn).__name__}. Build one with fg.rules, e.g. fg.rules.zero_fix()."
-        )
-
-
-def check_same_structure(before: Group, after: Mapping[str, Tensor], who: object) -> None:
-    """A rule must return the same keys, shapes and dtypes it was given."""
-    if not isinstance(after, Mapping) or after.keys() != before.keys():
-        got = sorted(after) if isinstance(after, Mapping) else type(after).__name__
-        raise ValueError(
-            f"Rule {who!r} must return a dict with the same keys as its input group: "
-            f"expected {sorted(before)}, got {got}. A rule maps "
-            "dict[str, Tensor] -> dict[str, Tensor] and keeps every key."
-        )
-    for k, t in before.items():
-        u = after[k]
-        if not isinstance(u, Tensor) or u.shape != t.shape or u.dtype != t.dtype:
-            desc = f"{tuple(u.shape)} {u.dtype}" if isinstance(u, Tensor) else type(u).__name__
-            raise ValueError(
-                f"Rule {who!r} changed '{k}' from {tuple(t.shape)} {t.dtype} to {desc}. "
-                "Rules must keep each gradient's shape and dtype; cast with "
-                ".to(t.dtype) or use torch.full_like / torch.where."
-            )
-
-
 def when(
     condition: Callable[[Group], Tensor],
     then: Callable[[Group], Mapping[str, Tensor]],
@@ -350,6 +293,7 @@ def when(
     """``then(group)`` where ``condition(group)`` holds, else ``otherwise(group)``.
 
     Both branches are computed and selected with ``torch.where`` (branch-free).
+    ``otherwise`` defaults to :func:`unchanged`.
 
     Example:
         >>> import torch
@@ -358,33 +302,36 @@ def when(
         >>> r({"w": torch.tensor([3.0])}), r({"w": torch.tensor([0.5])})
         ({'w': tensor([0.])}, {'w': tensor([0.5000])})
     """
-    other = identity() if otherwise is None else otherwise
+    other = unchanged() if otherwise is None else otherwise
     for what, fn in (("condition", condition), ("then", then), ("otherwise", other)):
-        check_is_rule(fn, f"when: {what}")
+        check_is_rule(fn, f"fg.rules.when: {what}")
     name = f"when({condition!r}, {then!r}, otherwise={other!r})"
 
     def rule(g: Group) -> dict[str, Tensor]:
         c = condition(g)
         if not isinstance(c, Tensor) or c.dtype != torch.bool or c.dim() != 0:
             raise ValueError(
-                f"when: condition {condition!r} must return a 0-d bool tensor, got "
-                f"{c!r}. Reduce it, e.g. (t == 0).all(), and avoid Python bools."
+                f"fg.rules.when: condition {condition!r} must return a 0-d bool tensor, "
+                f"got {c!r}. Reduce it, e.g. (t == 0).all(), and avoid Python bools."
             )
-        a, b = then(g), other(g)
-        check_same_structure(g, a, then)
-        check_same_structure(g, b, other)
+        a, b = apply_rule(then, g), apply_rule(other, g)
         return {k: torch.where(c, a[k], b[k]) for k in g}
 
     return Rule(rule, name)
 
 
-_all_zero = all_zero
+def zero_fix(
+    if_all_zero: float = 1.0,
+    if_zero: float = 0.5,
+    *,
+    atol: float = 0.0,
+    **deprecated: float,
+) -> Rule:
+    """The seed rule: an all-zero group becomes ``if_all_zero``; else zeros become ``if_zero``.
 
-
-def zero_fix(all_zero: float = 1.0, zero: float = 0.5) -> Rule:
-    """The seed rule: an all-zero group becomes ``all_zero``; else zeros become ``zero``.
-
-    Equal to ``when(all_zero(), fill(all_zero), otherwise=replace_zeros(zero))``.
+    Equal to ``when(all_zero(atol), fill(if_all_zero), otherwise=replace_zeros(if_zero,
+    atol))``. The old keywords ``all_zero=`` and ``zero=`` still work, with a
+    ``DeprecationWarning``.
 
     Example:
         >>> import torch
@@ -395,15 +342,35 @@ def zero_fix(all_zero: float = 1.0, zero: float = 0.5) -> Rule:
         >>> fix({"w": torch.tensor([0.0, 3.0]), "b": torch.zeros(1)})
         {'w': tensor([0.5000, 3.0000]), 'b': tensor([0.5000])}
     """
-    a = _number(all_zero, "zero_fix: all_zero")
-    z = _number(zero, "zero_fix: zero")
-    dead = _all_zero()
+    renamed = {"all_zero": "if_all_zero", "zero": "if_zero"}
+    unknown = sorted(set(deprecated) - set(renamed))
+    if unknown:
+        raise TypeError(
+            f"fg.rules.zero_fix: unexpected keyword arguments {unknown}; it takes "
+            "if_all_zero=, if_zero= and atol=."
+        )
+    for old, value in deprecated.items():
+        warnings.warn(
+            f"fg.rules.zero_fix({old}=...) is renamed {renamed[old]}=...; the old keyword "
+            "will be removed.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if old == "all_zero":
+            if_all_zero = value
+        else:
+            if_zero = value
+    a = number(if_all_zero, "fg.rules.zero_fix: if_all_zero")
+    z = number(if_zero, "fg.rules.zero_fix: if_zero")
+    tol = _atol(atol, "zero_fix")
+    dead = all_zero(tol)
 
     def rule(g: Group) -> dict[str, Tensor]:
         # Equal to when(all_zero(), fill(a), otherwise=replace_zeros(z)), in one pass:
         # in an all-zero group every entry is a zero, so "zeros become (a if the group
         # is all-zero else z)" is the whole rule. No full-size fill is materialized.
         value = torch.where(dead(g), a, z)  # 0-d: a for a dead group, else z
-        return {k: torch.where(t == 0, value.to(t.dtype), t) for k, t in g.items()}
+        return {k: torch.where(is_zero(t, tol), value.to(t.dtype), t) for k, t in g.items()}
 
-    return Rule(rule, f"zero_fix(all_zero={a}, zero={z})")
+    extra = f", atol={tol}" if tol else ""
+    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})")

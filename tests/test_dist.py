@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -57,10 +55,6 @@ def test_a_failing_rank_does_not_hang(tmp_path):
 
 
 def test_all_reduce_mean_outside_a_process_group():
-    with pytest.raises(
-        RuntimeError, match=re.escape("fg.all_reduce_mean: torch.distributed is not initialized")
-    ):
-        fg.all_reduce_mean().init({"w": torch.zeros(1)})
     tx = fg.all_reduce_mean(noop_if_not_initialized=True)
     g = {"w": torch.ones(2)}
     assert tx.update(g, tx.init(g))[0] is g

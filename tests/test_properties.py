@@ -35,7 +35,7 @@ def groups_of_grads(draw):
 
 RULES = [
     rules.zero_fix(),
-    rules.zero_fix(all_zero=-2.0, zero=0.25),
+    rules.zero_fix(if_all_zero=-2.0, if_zero=0.25),
     rules.fill(3.0),
     rules.replace_zeros(0.5),
     rules.replace_nonfinite(1.0),

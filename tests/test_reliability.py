@@ -44,7 +44,10 @@ def test_load_state_dict_names_the_mismatch():
     with pytest.raises(TypeError, match=re.escape("state should be a ChainState, found AdamState")):
         fg.load_state_dict(fg.chain(fg.adam()), p, sd)
     with pytest.raises(
-        KeyError, match=re.escape("state.nu_max names do not match: missing ['a.bias', 'a.weight']")
+        KeyError,
+        match=re.escape(
+            "missing state.nu_max['a.weight'], state.nu_max['a.bias']; unexpected (none)"
+        ),
     ):
         fg.load_state_dict(fg.adam(amsgrad=True), p, sd)
     other = {"a.weight": torch.zeros(3, 2), "a.bias": torch.zeros(2)}
@@ -56,7 +59,8 @@ def test_load_state_dict_names_the_mismatch():
     ):
         fg.load_state_dict(adam, other, sd)
     with pytest.raises(
-        KeyError, match=re.escape("state.mu names do not match: missing [], unexpected ['a.bias']")
+        KeyError,
+        match=re.escape("missing (none); unexpected state.mu['a.bias'], state.nu['a.bias']"),
     ):
         fg.load_state_dict(adam, {"a.weight": p["a.weight"]}, sd)
 
@@ -116,12 +120,7 @@ def test_migration_from_and_to_torch_optim(opt_cls, fg_fn, kw):
 
 def test_migration_errors():
     model = SeedModel()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=re.escape("expected a torch.optim.Adam or AdamW, got SGD")):
-        fg.adam_state_from_torch(opt, dict(model.named_parameters()))
     opt = torch.optim.Adam(model.parameters())
-    with pytest.raises(KeyError, match=re.escape("is not among named_params")):
-        fg.adam_state_from_torch(opt, dict(SeedModel().named_parameters()))
     opt.zero_grad()
     model.fc1(torch.ones(1, 1)).sum().backward()  # only fc1 gets grads: fc1 at step 1
     opt.step()

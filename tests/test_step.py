@@ -169,12 +169,12 @@ def test_step_errors_before_tracing():
     other = fg.adam()
     with pytest.raises(
         TypeError,
-        match=re.escape("chain(...).update got a state that chain(...).init did not make"),
+        match=re.escape("fg.chain.update: got a state that this chain's init did not make"),
     ):
         step(params, other.init(params), x)
     with pytest.raises(KeyError, match=re.escape("the state was made for parameters")):
         small = {"fc1.weight": params["fc1.weight"]}
-        bad_state = fg.chain(fg.per_group(fg.rules.identity(), {}), fg.adam(lr=1e-2)).init(small)
+        bad_state = fg.chain(fg.per_group(fg.rules.unchanged(), {}), fg.adam(lr=1e-2)).init(small)
         step(params, bad_state, x)
     with pytest.raises(
         ValueError, match=re.escape("requires grad, so it cannot be updated in place")
@@ -187,7 +187,7 @@ def test_step_errors_before_tracing():
     ):
         step(aliased, state, x)
     with pytest.raises(
-        TypeError, match=re.escape("make_step: tx must be a GradientTransformation")
+        TypeError, match=re.escape("fg.make_step: tx must be a GradientTransformation")
     ):
         fg.make_step(seed_loss(model), fg.rules.zero_fix())  # type: ignore[arg-type]
     # Nothing above reached the compiler.
