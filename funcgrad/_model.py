@@ -82,6 +82,24 @@ def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
         )
 
 
+def check_buffer_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
+    """Buffers passed explicitly must be exactly the model's (as ``fg.buffers(model)``)."""
+    known = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    unknown = [n for n in given if n not in known]
+    if unknown:
+        n = unknown[0]
+        raise KeyError(
+            f"{what}: '{n}' is not a buffer of {type(model).__name__}{_close(n, known)}. "
+            f"Unknown buffer names: {sorted(unknown)}. Pass fg.buffers(model)."
+        )
+    missing = sorted({n for n, _ in model.named_buffers()} - given.keys())
+    if missing:
+        raise KeyError(
+            f"{what}: buffers {missing} are missing. Pass every entry of fg.buffers(model), "
+            "or no buffers at all to use the module's own."
+        )
+
+
 def load_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
     """Copy ``params`` into ``model``'s parameters, in place.
 
@@ -183,17 +201,76 @@ def call(
             f"fg.call: expected an nn.Module as first argument, got {type(model).__name__}. "
             "Call it as fg.call(model, params, *inputs)."
         )
-    if not torch.compiler.is_compiling():
-        # Name checks are plain Python; under torch.compile they would only be traced
-        # once anyway, and the eager path catches mistakes first.
-        check_names(model, params, "fg.call")
+    # Plain Python over names: eagerly it runs every call, under torch.compile once,
+    # while the step is traced (a failure there is re-run eagerly by make_step).
+    check_names(model, params, "fg.call")
     tensors = dict(params)
+    cumulative: list[nn.Module] = []
     if buffers is not None:
+        check_buffer_names(model, buffers, "fg.call")
         tensors.update(buffers)
+        cumulative = _cumulative_batchnorms(model)
     try:
-        return functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
+        if not cumulative:
+            return functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
+        return _call_with_cumulative_averages(model, tensors, args, kwargs, cumulative)
     except RuntimeError as err:
         better = explain_buffer_write(err)
         if better is None:
             raise
         raise better from err
+
+
+_STATS = ("running_mean", "running_var")
+
+
+def _cumulative_batchnorms(model: nn.Module) -> list[nn.Module]:
+    """Train-mode BatchNorms with ``momentum=None`` (a cumulative moving average)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.momentum is None
+        and m.training
+        and m.track_running_stats
+    ]
+
+
+def _call_with_cumulative_averages(
+    model: nn.Module,
+    tensors: dict[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cumulative: list[nn.Module],
+) -> Any:
+    """``functional_call`` for models with ``BatchNorm(momentum=None)`` layers.
+
+    With ``momentum=None``, BatchNorm computes its averaging factor as
+    ``1 / float(num_batches_tracked)``: a read of a tensor on the host, which
+    torch.compile cannot trace into one graph ("Could not guard on data-dependent
+    expression"). So these layers run with ``momentum=1.0`` (the running statistics
+    become the batch's) and the cumulative average is then formed with tensor ops:
+    ``old + (batch - old) / num_batches_tracked``, the same value as torch's
+    ``(1 - 1/n) * old + batch / n`` up to rounding.
+    """
+    prefix = {id(m): (f"{n}." if n else "") for n, m in model.named_modules()}
+    keys = [prefix[id(m)] + stat for m in cumulative for stat in _STATS]
+    # BatchNorm writes its batch statistics into working copies; the given buffers
+    # are written once, below. (native_batch_norm saves the running statistics it
+    # was given for its backward, so those must not be written in place afterwards.)
+    given = {k: tensors[k] for k in keys}
+    tensors = {**tensors, **{k: t.clone() for k, t in given.items()}}
+    for m in cumulative:
+        m.momentum = 1.0  # type: ignore[assignment]
+    try:
+        out = functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
+    finally:
+        for m in cumulative:
+            m.momentum = None  # type: ignore[assignment]
+    for m in cumulative:
+        count = tensors[prefix[id(m)] + "num_batches_tracked"]
+        for stat in _STATS:
+            key = prefix[id(m)] + stat
+            old = given[key]
+            old.copy_(old + (tensors[key] - old) / count)
+    return out

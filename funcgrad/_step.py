@@ -14,7 +14,7 @@ three parts, each a function of its own:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from ._base import GradientTransformation, Params, State, apply_updates
-from ._model import explain_buffer_write
+from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write
 from ._tree import copy_into, tensor_paths
 
 LossFn = Callable[..., Any]
@@ -117,22 +117,44 @@ def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[...,
 
 
 def _gradients(
-    loss_fn: LossFn, has_aux: bool, per_sample: GradientTransformation | None
-) -> Callable[..., tuple[Params, Tensor, Any]]:
-    """``fn(params, *batch) -> (grads, loss, aux)`` for the step (traced)."""
+    loss_fn: LossFn, has_aux: bool, per_sample: GradientTransformation | None, buffers: bool
+) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
+    """``fn(params, [buffers,] *batch) -> (grads, loss, new_buffers, aux)`` (traced).
+
+    With ``buffers``, the loss sees clones of the buffers made inside the transform:
+    a forward that updates them in place (train-mode BatchNorm) writes to tensors
+    that ``torch.func.grad`` owns, and the updated clones leave as an auxiliary
+    output. The given buffers are never written here (donation copies them later).
+    """
+    if buffers:
+
+        def with_buffers(params: Params, bufs: dict[str, Tensor], *batch: Any) -> Any:
+            local = {k: b.clone() for k, b in bufs.items()}
+            out = loss_fn(params, local, *batch)
+            # torch.func's aux holds tensors only: no None placeholder without has_aux.
+            return (out[0], (local, out[1])) if has_aux else (out, local)
+
+        def stateful(params: Params, bufs: dict[str, Tensor], *batch: Any) -> Any:
+            grads, (loss, extra) = grad_and_value(with_buffers, has_aux=True)(
+                params, bufs, *batch
+            )
+            new_bufs, aux = extra if has_aux else (extra, None)
+            return grads, loss, new_bufs, aux
+
+        return stateful
     if per_sample is None:
 
-        def plain(params: Params, *batch: Any) -> tuple[Params, Tensor, Any]:
+        def plain(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
             grads, out = grad_and_value(loss_fn, has_aux=has_aux)(params, *batch)
             loss, aux = out if has_aux else (out, None)
-            return grads, loss, aux
+            return grads, loss, None, aux
 
         return plain
     batched = _vmapped_grads(loss_fn, has_aux, each=per_sample)
 
-    def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any]:
+    def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
         g, losses, aux = batched(params, *batch)
-        return {k: v.mean(0) for k, v in g.items()}, losses.mean(), aux
+        return {k: v.mean(0) for k, v in g.items()}, losses.mean(), None, aux
 
     return averaged
 
@@ -143,9 +165,9 @@ def _meta(tree: Any) -> Any:
     )
 
 
-def _check_donation(params: Params, state: State) -> None:
+def _check_donation(params: Params, state: State, buffers: Mapping[str, Tensor]) -> None:
     seen: dict[int, str] = {}
-    for where, tree in (("params", params), ("state", state)):
+    for where, tree in (("params", params), ("state", state), ("buffers", buffers)):
         for path, t in tensor_paths(tree, where):
             if t.requires_grad:
                 raise ValueError(
@@ -164,6 +186,15 @@ def _check_donation(params: Params, state: State) -> None:
             seen[key] = path
 
 
+_HOST_READ = (
+    "reads a tensor's value on the host (a Python if/while, bool(), float() or .item() "
+    "on a tensor), in a schedule or in a custom rule or transformation. Code that runs "
+    "every step must be tensor ops, so that it compiles to one graph and never waits "
+    "for the device: write torch.where(count < 100, a, b) instead of "
+    "a if count < 100 else b, and torch.clamp / torch.minimum instead of min()."
+)
+
+
 class _Checks:
     """The checks that need Python, run before anything is traced.
 
@@ -178,29 +209,47 @@ class _Checks:
         tx: GradientTransformation,
         per_sample: GradientTransformation | None,
         donate: bool,
+        buffers: bool,
     ) -> None:
-        self.tx, self.per_sample, self.donate = tx, per_sample, donate
+        self.tx, self.per_sample, self.donate, self.buffers = tx, per_sample, donate, buffers
         try:
             self.sig: inspect.Signature | None = inspect.signature(loss_fn)
         except (TypeError, ValueError):  # builtins and some C callables
             self.sig = None
         self.last: Any = None
 
-    def __call__(self, params: Params, state: State, batch: tuple[Any, ...]) -> None:
+    def __call__(self, params: Params, state: State, args: tuple[Any, ...]) -> None:
+        if self.buffers:
+            if not args or not isinstance(args[0], Mapping):
+                got = type(args[0]).__name__ if args else "nothing"
+                raise TypeError(
+                    "fg.make_step(buffers=True): the step is called as step(params, state, "
+                    f"buffers, *batch), with buffers a dict such as fg.buffers(model); got "
+                    f"{got} in third place."
+                )
+            for name, b in args[0].items():
+                if not isinstance(b, Tensor):
+                    raise TypeError(
+                        f"fg.make_step(buffers=True): buffers['{name}'] is a "
+                        f"{type(b).__name__}, not a tensor. Pass fg.buffers(model)."
+                    )
         if self.per_sample is not None:  # shapes can change between calls: always check
-            _check_batch(batch, "fg.make_step(per_sample=...)")
-        flat, spec = optree.tree_flatten((params, state))  # type: ignore[arg-type,var-annotated]
-        key = (spec, tuple(map(id, flat)) if self.donate else (), len(batch))
+            _check_batch(args, "fg.make_step(per_sample=...)")
+        flat, spec = optree.tree_flatten((params, state, args[:1] if self.buffers else ()))  # type: ignore[arg-type,var-annotated]
+        key = (spec, tuple(map(id, flat)) if self.donate else (), len(args))
         if key == self.last:
             return
         if self.sig is not None:
             try:
-                self.sig.bind(params, *batch)
+                self.sig.bind(params, *args)
             except TypeError as err:
+                head = "params, buffers" if self.buffers else "params"
+                n = len(args) - self.buffers
                 raise TypeError(
-                    f"fg.make_step: loss_fn{self.sig} cannot be called with params and "
-                    f"{len(batch)} batch argument(s): {err}. step(params, state, *batch) "
-                    "passes *batch to loss_fn(params, *batch)."
+                    f"fg.make_step: loss_fn{self.sig} cannot be called with {head} and "
+                    f"{n} batch argument(s): {err}. step(params, state, "
+                    f"{'buffers, ' if self.buffers else ''}*batch) passes *batch to "
+                    f"loss_fn({head}, *batch)."
                 ) from None
         if self.per_sample is not None and tensor_paths(self.per_sample.init(_meta(params))):
             raise TypeError(
@@ -210,13 +259,44 @@ class _Checks:
                 "transformations (Adam, add_noise, monitor) in tx instead."
             )
         if self.donate:
-            _check_donation(params, state)
+            _check_donation(params, state, args[0] if self.buffers else {})
         try:  # run the transformation's own checks on shape-only tensors
             mp = _meta(params)
             self.tx.update(mp, _meta(state), mp)
         except NotImplementedError:
             pass
+        except RuntimeError as err:
+            if "meta tensors" not in str(err):
+                raise
+            raise TypeError(f"fg.make_step: tx.update {_HOST_READ}") from err
         self.last = key
+
+
+def _explain_compile_failure(err: Exception, eager: Callable[[], Any]) -> Exception | None:
+    """A clearer error than dynamo's for a step that fails to compile, or None.
+
+    Most mistakes (a misspelled parameter name, a model that writes a buffer, an
+    exception raised in loss_fn) surface under torch.compile as dynamo's own
+    exception types. Running the same step once eagerly, without donation (nothing
+    is written), raises the user's own exception with funcgrad's explanation.
+    """
+    msg = str(err)
+    if "Attempted to wrap RNN, GRU, or LSTM" in msg:
+        return TypeError(
+            "fg.make_step(compile=True): the model has an nn.RNN, nn.GRU or nn.LSTM, and "
+            "torch.compile (dynamo) refuses to trace those modules. Use compile=False "
+            "for this model (the eager step computes the same thing), or write the "
+            "recurrence as a loop over nn.LSTMCell / nn.GRUCell, which compile.\n"
+            f"Original error: {msg.splitlines()[0]}"
+        )
+    if "data-dependent" in msg or "Data-dependent" in msg:
+        return TypeError(f"fg.make_step(compile=True): the step {_HOST_READ}\nOriginal: {msg}")
+    try:
+        eager()
+    except Exception as eager_err:
+        better = explain_buffer_write(eager_err)
+        return better if better is not None else eager_err
+    return None
 
 
 def make_step(
@@ -227,6 +307,7 @@ def make_step(
     compile: bool | dict[str, Any] = False,
     donate: bool = False,
     per_sample: GradientTransformation | None = None,
+    buffers: bool = False,
 ) -> Callable[..., tuple[Any, ...]]:
     """Build ``step(params, state, *batch) -> (params, state, loss)``.
 
@@ -236,17 +317,25 @@ def make_step(
 
     Args:
         loss_fn: ``loss_fn(params, *batch) -> scalar`` (``(scalar, aux)`` with
-            ``has_aux``).
+            ``has_aux``; ``loss_fn(params, buffers, *batch)`` with ``buffers``).
         tx: the transformation, e.g. ``fg.chain(fg.per_group(rule, groups), fg.adam())``.
-        has_aux: the step returns ``(params, state, loss, aux)``.
+        has_aux: the step returns ``aux`` last.
         compile: wrap the step in ``torch.compile(fullgraph=True)``; a dict adds
             other ``torch.compile`` options, e.g. ``{"backend": "aot_eager"}``.
-        donate: write the new params and state into the given tensors in place and
-            return those same tensors, so ``fg.params(model)`` keeps the module live.
+        donate: write the new params, state (and buffers) into the given tensors in
+            place and return those same tensors, so ``fg.params(model)`` and
+            ``fg.buffers(model)`` keep the module live.
         per_sample: a stateless transformation (e.g. ``fg.per_group(rule, groups)``)
             applied to every sample's gradients under ``vmap`` before they are
             averaged and handed to ``tx``. The loss is then the mean of the
             per-sample losses.
+        buffers: for models that update buffers in forward (train-mode BatchNorm's
+            running statistics): the step is ``step(params, state, buffers, *batch)
+            -> (params, state, buffers, loss)`` and ``loss_fn(params, buffers,
+            *batch)`` passes them on with ``fg.call(model, params, x,
+            buffers=buffers)``. The buffers come out as an eager train-mode forward
+            leaves them; they are inputs and outputs of the pure step, so it stays
+            one graph.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -260,6 +349,16 @@ def make_step(
         >>> params, state, l = step(params, state, torch.randn(4, 2), torch.randn(4, 1))
         >>> int(state.inner_states[1].count), params["weight"].data_ptr() == model.weight.data_ptr()
         (1, True)
+
+        With train-mode BatchNorm:
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+        >>> bn_loss = lambda p, b, x: fg.call(net, p, x, buffers=b).square().mean()
+        >>> step = fg.make_step(bn_loss, fg.adam(), buffers=True, donate=True)
+        >>> p, b = fg.params(net), fg.buffers(net)
+        >>> p, s, b, l = step(p, fg.adam().init(p), b, torch.randn(4, 2))
+        >>> int(net[1].num_batches_tracked)
+        1
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(
@@ -271,31 +370,45 @@ def make_step(
             "fg.make_step: per_sample must be a stateless GradientTransformation, e.g. "
             f"fg.per_group(fg.rules.clip_norm(1.0), groups); got {type(per_sample).__name__}."
         )
-    gradients = _gradients(loss_fn, has_aux, per_sample)
-    checks = _Checks(loss_fn, tx, per_sample, donate)
+    if per_sample is not None and buffers:
+        raise ValueError(
+            "fg.make_step: per_sample= and buffers=True do not go together. A model that "
+            f"updates buffers in forward is usually train-mode BatchNorm: "
+            f"{PER_SAMPLE_BATCHNORM}"
+        )
+    gradients = _gradients(loss_fn, has_aux, per_sample, buffers)
+    checks = _Checks(loss_fn, tx, per_sample, donate, buffers)
 
-    def step_impl(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
-        grads, loss, aux = gradients(params, *batch)
+    def pure_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        grads, loss, new_bufs, aux = gradients(params, *args)
         updates, new_state = tx.update(grads, state, params)
-        new_params = apply_updates(params, updates)
-        if donate:
-            copy_into((params, state), (new_params, new_state))
-            new_params, new_state = params, state
-        out = (new_params, new_state, loss.detach())
-        return (*out, aux) if has_aux else out
+        out: tuple[Any, ...] = (apply_updates(params, updates), new_state)
+        out += (new_bufs,) if buffers else ()
+        return out + (loss.detach(),) + ((aux,) if has_aux else ())
 
+    def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        out = pure_step(params, state, *args)
+        given = (params, state, args[0]) if buffers else (params, state)
+        copy_into(given, out[: len(given)])
+        return given + out[len(given) :]
+
+    step_impl = donated_step if donate else pure_step
     if isinstance(compile, dict) or compile:
         options = compile if isinstance(compile, dict) else {}
         impl = torch.compile(step_impl, **{**options, "fullgraph": True})
     else:
         impl = step_impl
 
-    def step(params: Params, state: State, *batch: Any) -> tuple[Any, ...]:
-        checks(params, state, batch)
+    def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        checks(params, state, args)
         try:
-            return impl(params, state, *batch)
-        except (RuntimeError, ValueError) as err:
-            _raise_explained(err, per_sample=per_sample is not None)
-            raise
+            return impl(params, state, *args)
+        except Exception as err:
+            better: Exception | None = explain_buffer_write(err, per_sample=per_sample is not None)
+            if better is None and impl is not step_impl:
+                better = _explain_compile_failure(err, lambda: pure_step(params, state, *args))
+            if better is None or better is err:
+                raise
+            raise better from err
 
     return step

@@ -48,9 +48,18 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     return pytree.tree_map(fn, tree, *rest)
 
 
+def _copy(dst: Tensor, src: Tensor) -> Tensor:
+    if dst.dim() == 0:
+        # torch 2.13: under torch.compile (aot_eager and inductor) an in-place write
+        # into a 0-d float64 graph input is silently dropped (float32, float16 and
+        # int64 are kept); written through a 1-element view it is kept.
+        return dst.view(1).copy_(src.reshape(1))
+    return dst.copy_(src)
+
+
 def copy_into(dst: Any, src: Any) -> None:
     """``dst.copy_(src)`` leaf by leaf (dict entries matched by key); traceable."""
-    pytree.tree_map(lambda d, s: d.copy_(s), dst, src)
+    pytree.tree_map(_copy, dst, src)
 
 
 def names_mismatch(expected: Iterable[str], got: Iterable[str]) -> str:

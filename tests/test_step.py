@@ -192,3 +192,41 @@ def test_step_errors_before_tracing():
         fg.make_step(seed_loss(model), fg.rules.zero_fix())  # type: ignore[arg-type]
     # Nothing above reached the compiler.
     assert counters["stats"]["unique_graphs"] == 0
+
+
+class Scaled(torch.nn.Module):
+    """A Linear with a learned 0-d temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.temperature
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_donated_step_updates_0d_params(dtype):
+    """torch 2.13 drops an in-place write into a 0-d float64 input under compile;
+    funcgrad writes 0-d donated tensors through a 1-element view."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled_model, eager_model = Scaled().to(dtype), Scaled().to(dtype)
+    eager_model.load_state_dict(compiled_model.state_dict())
+    tx = fg.adam(lr=0.1)
+    x = torch.randn(4, 3, dtype=dtype)
+
+    def run(model, **kw):
+        step = fg.make_step(lambda p, x: fg.call(model, p, x).square().mean(), tx, **kw)
+        params = fg.params(model)
+        state = tx.init(params)
+        for _ in range(3):
+            params, state, _ = step(params, state, x)
+        return params
+
+    got = run(compiled_model, compile={"backend": "aot_eager"}, donate=True)
+    want = run(eager_model)
+    assert float(got["temperature"]) != 1.5
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    assert float(compiled_model.temperature) == float(got["temperature"])
