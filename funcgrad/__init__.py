@@ -15,10 +15,11 @@ Example:
 
 from . import hooks as hooks
 from . import rules as rules
+from ._accumulate import AccumulateState as AccumulateState
+from ._accumulate import accumulate as accumulate
 from ._adam import AdamState as AdamState
 from ._adam import adam as adam
 from ._adam import adamw as adamw
-from ._adam import cosine_decay as cosine_decay
 from ._base import EmptyState as EmptyState
 from ._base import GradientTransformation as GradientTransformation
 from ._base import Params as Params
@@ -44,6 +45,10 @@ from ._noise import AddNoiseState as AddNoiseState
 from ._noise import add_noise as add_noise
 from ._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState
 from ._nonfinite import skip_if_nonfinite as skip_if_nonfinite
+from ._schedules import cosine_decay as cosine_decay
+from ._schedules import join_schedules as join_schedules
+from ._schedules import linear_schedule as linear_schedule
+from ._schedules import warmup_cosine_decay as warmup_cosine_decay
 from ._state import load_state_dict as load_state_dict
 from ._state import state_dict as state_dict
 from ._step import make_step as make_step

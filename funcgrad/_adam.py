@@ -17,8 +17,7 @@ recompiles as the step grows, and no drift from ``torch.optim``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Union
 
 import torch
@@ -26,6 +25,7 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, check_floating, check_state, params_device
 from ._fusion import realize
+from ._tree import names_mismatch
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
 """A float, a 0-d tensor (edit it in place to change lr without recompiling; use
@@ -86,6 +86,50 @@ def _check_hparams(
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+DecayMask = Union[Mapping[str, bool], Callable[[str, Tensor], bool], None]
+"""Where weight decay applies: ``None`` (everywhere), a dict ``name -> bool`` naming
+every parameter, or a predicate ``(name, tensor) -> bool`` (e.g. ``lambda n, p:
+p.ndim > 1``: no decay on biases and norm weights)."""
+
+
+def _mask_resolver(mask: DecayMask, who: str) -> Callable[[Params], dict[str, bool]]:
+    """Check ``mask`` now; return a function ``params -> {name: decays}``."""
+    if mask is None:
+        return lambda params: dict.fromkeys(params, True)
+    if isinstance(mask, Mapping):
+        bad = {k: v for k, v in mask.items() if not isinstance(v, bool)}
+        if bad:
+            raise TypeError(f"{who}: mask values must be bool, got {bad!r}.")
+
+        def from_dict(params: Params) -> dict[str, bool]:
+            if mask.keys() != params.keys():
+                raise KeyError(
+                    f"{who}: the mask must name every parameter exactly; it has "
+                    f"{names_mismatch(params, mask)}. Build it from fg.params(model), or "
+                    "pass a predicate (name, tensor) -> bool."
+                )
+            return {k: mask[k] for k in params}
+
+        return from_dict
+    if callable(mask):
+
+        def from_predicate(params: Params) -> dict[str, bool]:
+            out = {k: mask(k, p) for k, p in params.items()}
+            bad = {k: type(v).__name__ for k, v in out.items() if not isinstance(v, bool)}
+            if bad:
+                raise TypeError(
+                    f"{who}: the mask predicate must return a Python bool for each "
+                    f"parameter (decided from names and shapes, not values); got {bad}."
+                )
+            return out
+
+        return from_predicate
+    raise TypeError(
+        f"{who}: mask must be None, a dict name -> bool or a predicate (name, tensor) -> "
+        f"bool, got {type(mask).__name__}."
+    )
+
+
 def _adam(
     lr: LearningRate,
     betas: tuple[float, float],
@@ -94,13 +138,16 @@ def _adam(
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
+    mask: DecayMask,
 ) -> GradientTransformation:
     _check_hparams(lr, betas, eps, weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
     name = "adamw" if decoupled else "adam"
+    decays = _mask_resolver(mask, f"fg.{name}")
 
     def init(params: Params) -> AdamState:
         check_floating(params, f"fg.{name}.init")
+        decays(params)  # a mask for other parameters fails here, not at the first step
         return AdamState(
             count=torch.zeros((), dtype=torch.int64, device=params_device(params)),
             mu={k: torch.zeros_like(p) for k, p in params.items()},
@@ -124,6 +171,7 @@ def _adam(
                 f"fg.{name}(weight_decay={weight_decay}) needs the parameters: call "
                 "tx.update(grads, state, params)."
             )
+        decay = decays(params) if weight_decay != 0.0 and params is not None else {}
         count = state.count + 1
         # Schedules see the steps taken so far as a float64 0-d tensor, so that
         # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
@@ -151,10 +199,10 @@ def _adam(
                     inv_bc2_sqrt.to(dt),
                     (lr_t * weight_decay).to(dt),
                 )
-            neg_step, inv_bc2, decay = per_dtype[dt]
+            neg_step, inv_bc2, lr_decay = per_dtype[dt]
             if maximize:
                 g = -g
-            if weight_decay != 0.0 and not decoupled:
+            if decay.get(k, False) and not decoupled:
                 assert params is not None
                 g = g + weight_decay * params[k]
             # In-place ops below only touch tensors made in this function (fewer
@@ -171,9 +219,9 @@ def _adam(
             # torch's sqrt(v) / sqrt(bc2) by at most an ulp.
             denom = torch.sqrt(v).mul_(inv_bc2).add_(eps)
             u = torch.div(m, denom).mul_(neg_step)
-            if weight_decay != 0.0 and decoupled:
+            if decay.get(k, False) and decoupled:
                 assert params is not None
-                u = u.sub_(decay * params[k])
+                u = u.sub_(lr_decay * params[k])
             updates[k] = u
         return updates, AdamState(count, mu, nu, nu_max)
 
@@ -187,11 +235,14 @@ def adam(
     weight_decay: float = 0.0,
     amsgrad: bool = False,
     maximize: bool = False,
+    mask: DecayMask = None,
 ) -> GradientTransformation:
     """Adam, equal step for step to ``torch.optim.Adam`` with the same arguments.
 
     ``weight_decay`` is the L2 penalty added to the gradient (as in torch); see
     :func:`adamw` for decoupled decay. The update rule is in this module's docstring.
+    ``mask`` says where weight decay applies (see ``DecayMask``): with a mask, equal to
+    ``torch.optim.Adam`` with a decay and a no-decay param group.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -201,7 +252,7 @@ def adam(
         >>> fg.apply_updates(params, updates), int(state.count)
         ({'w': tensor([ 0.9000, -0.9000])}, 1)
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, False, mask)
 
 
 def adamw(
@@ -211,10 +262,14 @@ def adamw(
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
     maximize: bool = False,
+    mask: DecayMask = None,
 ) -> GradientTransformation:
     """AdamW, equal step for step to ``torch.optim.AdamW`` with the same arguments.
 
-    Decoupled weight decay: ``p <- p - lr * weight_decay * p`` besides the Adam step.
+    Decoupled weight decay: ``p <- p - lr * weight_decay * p`` besides the Adam step,
+    only where ``mask`` says so (e.g. ``mask=lambda name, p: p.ndim > 1`` keeps decay
+    off biases and norm weights): equal to ``torch.optim.AdamW`` with a decay and a
+    no-decay param group.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -224,33 +279,4 @@ def adamw(
         >>> fg.apply_updates(params, updates)  # 1 - 0.1 * 0.5 * 1 - 0.1
         {'w': tensor([0.8500])}
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
-
-
-def cosine_decay(
-    init_value: float, decay_steps: int, alpha: float = 0.0
-) -> Callable[[Tensor], Tensor]:
-    """A cosine schedule ``count -> lr`` made of tensor ops (no recompiles per step).
-
-    With ``c = min(count, decay_steps) / decay_steps``:
-    ``lr = init_value * ((1 - alpha) * (1 + cos(pi * c)) / 2 + alpha)``: the closed form
-    of ``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)`` up to
-    ``decay_steps``, then constant at ``alpha * init_value``.
-
-    Example:
-        >>> import torch, funcgrad as fg
-        >>> sched = fg.cosine_decay(1.0, 10)
-        >>> [round(float(sched(torch.tensor(c))), 3) for c in (0, 5, 10, 20)]
-        [1.0, 0.5, 0.0, 0.0]
-    """
-    if not decay_steps > 0:
-        raise ValueError(f"fg.cosine_decay: decay_steps must be > 0, got {decay_steps}.")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"fg.cosine_decay: alpha must be in [0, 1], got {alpha}.")
-
-    def schedule(count: Tensor) -> Tensor:
-        frac = torch.clamp(count.to(torch.float64), max=decay_steps) / decay_steps
-        cos = 0.5 * (1.0 + torch.cos(math.pi * frac))
-        return init_value * ((1.0 - alpha) * cos + alpha)
-
-    return schedule
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, True, mask)

@@ -135,9 +135,7 @@ def _gradients(
             return (out[0], (local, out[1])) if has_aux else (out, local)
 
         def stateful(params: Params, bufs: dict[str, Tensor], *batch: Any) -> Any:
-            grads, (loss, extra) = grad_and_value(with_buffers, has_aux=True)(
-                params, bufs, *batch
-            )
+            grads, (loss, extra) = grad_and_value(with_buffers, has_aux=True)(params, bufs, *batch)
             new_bufs, aux = extra if has_aux else (extra, None)
             return grads, loss, new_bufs, aux
 

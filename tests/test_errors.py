@@ -66,7 +66,130 @@ def _per_sample_no_batch():
     step(p, s, torch.tensor(1.0))
 
 
+def _lstm_step_compiled():
+    torch._dynamo.reset()
+    model = nn.LSTM(3, 4, batch_first=True)
+    tx = fg.adam()
+    step = fg.make_step(
+        lambda p, x: fg.call(model, p, x)[0].sum(), tx, compile={"backend": "aot_eager"}
+    )
+    p = fg.params(model)
+    step(p, tx.init(p), torch.randn(2, 5, 3))
+
+
+def _python_if_schedule_in_step(compile):
+    def warmup(count):
+        return 0.01 if count < 10 else 0.1
+
+    torch._dynamo.reset()
+    model = nn.Linear(2, 1)
+    tx = fg.adam(lr=warmup)
+    step = fg.make_step(lambda p, x: fg.call(model, p, x).sum(), tx, compile=compile)
+    p = fg.params(model)
+    step(p, tx.init(p), torch.ones(1, 2))
+
+
 CASES = [
+    (
+        "fg.make_step(compile=True): the model has an nn.RNN, nn.GRU or nn.LSTM, and torch.compile (dynamo) refuses to trace those modules. Use compile=False",
+        TypeError,
+        _lstm_step_compiled,
+    ),
+    (
+        "fg.make_step: tx.update reads a tensor's value on the host (a Python if/while, bool(), float() or .item() on a tensor), in a schedule",
+        TypeError,
+        lambda: _python_if_schedule_in_step(False),
+    ),
+    (
+        "write torch.where(count < 100, a, b) instead of a if count < 100 else b",
+        TypeError,
+        lambda: _python_if_schedule_in_step({"backend": "aot_eager"}),
+    ),
+    (
+        "fg.join_schedules: schedules[1] is a float, not a schedule",
+        TypeError,
+        lambda: fg.join_schedules([fg.cosine_decay(1.0, 10), 0.1], [5]),
+    ),
+    (
+        "fg.join_schedules: 2 schedules need 1 boundaries, got 0.",
+        ValueError,
+        lambda: fg.join_schedules([fg.cosine_decay(1.0, 10)] * 2, []),
+    ),
+    (
+        "fg.join_schedules: boundaries must increase, got [5, 2].",
+        ValueError,
+        lambda: fg.join_schedules([fg.cosine_decay(1.0, 10)] * 3, [5, 2]),
+    ),
+    (
+        "fg.linear_schedule: transition_steps must be a positive int, got 0.",
+        ValueError,
+        lambda: fg.linear_schedule(0.0, 1.0, 0),
+    ),
+    (
+        "fg.warmup_cosine_decay: decay_steps counts the warmup too and must be > warmup_steps (10), got 10.",
+        ValueError,
+        lambda: fg.warmup_cosine_decay(0.0, 1.0, 10, 10),
+    ),
+    (
+        "fg.warmup_cosine_decay: end_value (2.0) must lie between 0 and peak_value (1.0)",
+        ValueError,
+        lambda: fg.warmup_cosine_decay(0.0, 1.0, 1, 10, end_value=2.0),
+    ),
+    (
+        "fg.cosine_decay: init_value must be a finite real number, got '1'.",
+        TypeError,
+        lambda: fg.cosine_decay("1", 10),
+    ),
+    (
+        "fg.accumulate: every must be an int >= 1 (micro-steps per update), got 0.",
+        ValueError,
+        lambda: fg.accumulate(fg.adam(), every=0),
+    ),
+    (
+        "fg.accumulate: wraps a GradientTransformation, got Rule.",
+        TypeError,
+        lambda: fg.accumulate(rules.zero_fix(), every=2),
+    ),
+    (
+        "fg.accumulate.update: expected an AccumulateState, got AdamState.",
+        TypeError,
+        lambda: fg.accumulate(fg.adam(), 2).update(P, _adam_state()),
+    ),
+    (
+        "fg.adamw: the mask must name every parameter exactly; it has missing []; unexpected ['bias']",
+        KeyError,
+        lambda: fg.adamw(mask={"w": True, "bias": False}).init(P),
+    ),
+    (
+        "fg.adam: mask values must be bool, got {'w': 1}.",
+        TypeError,
+        lambda: fg.adam(mask={"w": 1}),
+    ),
+    (
+        "fg.adamw: the mask predicate must return a Python bool for each parameter",
+        TypeError,
+        lambda: fg.adamw(mask=lambda n, p: p.ndim).init(P),
+    ),
+    (
+        "fg.adam: mask must be None, a dict name -> bool or a predicate (name, tensor) -> bool, got str.",
+        TypeError,
+        lambda: fg.adam(mask="bias"),
+    ),
+    (
+        "fg.call: buffers ['running_mean'] are missing. Pass every entry of fg.buffers(model)",
+        KeyError,
+        lambda: fg.call(
+            nn.BatchNorm1d(2),
+            fg.params(nn.BatchNorm1d(2)),
+            torch.ones(3, 2),
+            buffers={"running_var": torch.ones(2), "num_batches_tracked": torch.tensor(0)},
+        ),
+    ),
+    (
+        "fg.make_step: per_sample= and buffers=True do not go together.",
+        ValueError,
+        lambda: fg.make_step(lambda p: 0, fg.adam(), per_sample=fg.identity(), buffers=True),
+    ),
     (
         "fg.named_chain: argument 0 must be a (name, transformation) pair, got GradientTransformation",
         TypeError,

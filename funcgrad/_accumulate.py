@@ -1,0 +1,131 @@
+"""Gradient accumulation with optax ``MultiSteps`` semantics.
+
+``accumulate(tx, every=k)`` keeps the running mean of the gradients of ``k``
+micro-steps. On every ``k``-th update the inner ``tx`` sees that mean (so rules in
+it judge the step's gradient, not a micro-batch's) and its updates are returned;
+on the other updates the updates are zero and ``tx``'s state is left as it was.
+
+Which of the two happens is decided on the device (``mini_step + 1 == every``), not
+on the host. Eagerly, the step reads that flag and runs one branch. Under
+``torch.compile`` it is a ``torch.cond``, so the graph stays one graph and a
+non-final micro-step does not run ``tx`` (measured in ``benchmarks/bench_step.py``).
+``torch.cond`` branches may neither return their inputs nor write them (torch 2.13:
+"Higher order ops do not support aliasing / input mutation"), so the non-final
+branch returns a copy of the inner state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from ._base import GradientTransformation, Params, State, check_state, params_device
+
+
+class AccumulateState(NamedTuple):
+    """``mini_step``: int64 0-d, micro-steps since ``tx`` last ran (0 to every-1);
+    ``acc``: the mean of their gradients; ``inner``: ``tx``'s state."""
+
+    mini_step: Tensor
+    acc: dict[str, Tensor]
+    inner: State
+
+
+def _branch(
+    pred: Tensor, yes: Callable[..., Any], no: Callable[..., Any], args: Any, like: Any
+) -> Any:
+    """``yes(*args)`` where ``pred`` holds, else ``no(*args)``: one graph when compiled.
+
+    Both branches return trees shaped like ``like`` (dicts matched by key).
+    """
+    if pred.is_meta:  # make_step's checks on shape-only tensors: check both branches
+        no(*args)
+        return yes(*args)
+    if not torch.compiler.is_compiling():
+        return yes(*args) if bool(pred) else no(*args)
+    leaves, spec = pytree.tree_flatten(args)
+    out_spec = pytree.tree_structure(like)
+
+    def flat(fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, ...]]:
+        def run(*xs: Tensor) -> tuple[Tensor, ...]:
+            out = fn(*pytree.tree_unflatten(list(xs), spec))
+            return tuple(pytree.tree_leaves(pytree.tree_map(lambda _, o: o, like, out)))
+
+        return run
+
+    out = torch.cond(pred, flat(yes), flat(no), tuple(leaves))
+    return pytree.tree_unflatten(list(out), out_spec)
+
+
+def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation:
+    """Run ``tx`` on the mean gradient of every ``every`` micro-steps (optax ``MultiSteps``).
+
+    ``k`` micro-steps on ``k`` equal micro-batches equal one step on the concatenated
+    batch (tested to 1e-9 in float64). Updates between are zero, so the parameters
+    do not move; ``tx``'s state (Adam's count, moments) advances once per ``every``.
+
+    Args:
+        tx: the transformation to run on accumulated gradients, usually the whole
+            chain (rules, then Adam).
+        every: micro-steps per update (``every=1`` is ``tx`` itself).
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.accumulate(fg.adam(lr=0.1), every=2)
+        >>> p = {"w": torch.zeros(1)}
+        >>> s = tx.init(p)
+        >>> u1, s = tx.update({"w": torch.tensor([1.0])}, s, p)
+        >>> u2, s = tx.update({"w": torch.tensor([3.0])}, s, p)
+        >>> u1["w"], u2["w"], int(s.inner.count)  # Adam's first step on the mean, 2.0
+        (tensor([0.]), tensor([-0.1000]), 1)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"fg.accumulate: wraps a GradientTransformation, got {type(tx).__name__}.")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"fg.accumulate: every must be an int >= 1 (micro-steps per update), got {every!r}."
+        )
+
+    def init(params: Params) -> AccumulateState:
+        return AccumulateState(
+            torch.zeros((), dtype=torch.int64, device=params_device(params)),
+            {k: torch.zeros_like(p) for k, p in params.items()},
+            tx.init(params),
+        )
+
+    def final(acc: Params, inner: State, params: Params | None) -> tuple[Params, State]:
+        return tx.update(acc, inner, params)
+
+    def middle(acc: Params, inner: State, params: Params | None) -> tuple[Params, State]:
+        zeros = {k: torch.zeros_like(a) for k, a in acc.items()}
+        same = pytree.tree_map(lambda t: t.clone() if torch.compiler.is_compiling() else t, inner)
+        return zeros, same
+
+    def update(
+        grads: Params, state: AccumulateState, params: Params | None = None
+    ) -> tuple[Params, AccumulateState]:
+        check_state(state, AccumulateState, "fg.accumulate")
+        if state.acc.keys() != grads.keys():
+            raise KeyError(
+                f"fg.accumulate.update: the state was made for parameters "
+                f"{sorted(state.acc)}, but the gradients are for {sorted(grads)}."
+            )
+        n = state.mini_step + 1
+        # The running mean: exact on the first micro-step (acc is 0 there), and no
+        # sum of k gradients that could overflow in half precision.
+        acc = {k: a + (grads[k] - a) / n for k, a in state.acc.items()}
+        if every == 1:
+            updates, inner = tx.update(acc, state.inner, params)
+            return updates, AccumulateState(state.mini_step, state.acc, inner)
+        done = n == every
+        updates, inner = _branch(
+            done, final, middle, (acc, state.inner, params), like=(acc, state.inner)
+        )
+        new_acc = {k: torch.where(done, 0.0, a) for k, a in acc.items()}
+        return updates, AccumulateState(torch.where(done, 0, n), new_acc, inner)
+
+    return GradientTransformation(init, update)
