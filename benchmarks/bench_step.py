@@ -16,6 +16,10 @@ Update-heavy (about 32M parameters in 8 layers, 30% zero gradients, loss sum(p *
   fused         loss.backward() + torch.optim.Adam(fused=True), no rule at all
   foreach+rule  loss.backward() + the correct eager rule + torch.optim.Adam(foreach=True)
 
+Gradient accumulation on the same model (fg.accumulate around the rule and Adam):
+  acc-mid       a non-final micro-step (tx does not run), against fg-comp
+  acc-4         the mean cost per micro-step with every=4
+
 Run: python benchmarks/bench_step.py [--quick] [--out DIR]
 """
 
@@ -152,9 +156,12 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
         g = torch.randn(p.shape, generator=gen)
         g[torch.rand(p.shape, generator=gen) < 0.3] = 0.0
         G[name] = g
-    if variant == "fg-comp":
+    if variant.startswith(("fg-comp", "acc-")):
         groups = fg.group_by_module(model)
         tx = fg.chain(fg.per_group(RULE, groups), fg.adam())
+        if variant.startswith("acc-"):  # acc-mid: every call is a non-final micro-step
+            every = 10**9 if variant == "acc-mid" else int(variant.split("-")[1])
+            tx = fg.accumulate(tx, every=every)
         params = fg.params(model)
         state = tx.init(params)
 
@@ -259,6 +266,13 @@ def main() -> None:
     lines.append(f"\nupdate-heavy step, {nparams / 1e6:.1f}M params, 30% zero grads")
     for k, v in t.items():
         lines.append(f"  {k:14s} {v * 1e3:8.2f} ms   {v / t['fused']:5.2f}x vs fused (no rule)")
+
+    fns = {v: update_heavy_setup(v, layers, width) for v in ("fg-comp", "acc-mid", "acc-4")}
+    t = interleaved(fns, max(3, repeats // 2), 4)
+    results["accumulate"] = {"seconds": t}
+    lines.append("\ngradient accumulation, update-heavy model (ratio vs fg-comp, a plain step)")
+    for k, v in t.items():
+        lines.append(f"  {k:14s} {v * 1e3:8.2f} ms   {v / t['fg-comp']:5.2f}x")
 
     lines.append("\npeak RSS during the first 3 update-heavy steps (own process each)")
     mem = {}

@@ -154,3 +154,47 @@ def test_train_mode_batchnorm_under_grad_explains_itself():
         torch.func.grad(loss_fn)(fg.params(model), torch.tensor([1, 2, 3]))
     torch.func.replace_all_batch_norm_modules_(model)
     torch.func.grad(loss_fn)(fg.params(model), torch.tensor([1, 2, 3]))  # now fine
+
+
+def _dropout_masks(use_sdpa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of attention + nn.Dropout, eager and under torch.func.grad over
+    functional_call, each after torch.manual_seed(0)."""
+    e = 8
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(e, 2, dropout=0.3, batch_first=True)
+            self.q = nn.Linear(e, e)
+            self.drop = nn.Dropout(0.3)
+
+        def forward(self, x):
+            if use_sdpa:
+                q = self.q(x)
+                a = nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
+            else:
+                a = self.mha(x, x, x)[0]
+            return self.drop(a)
+
+    torch.manual_seed(1)
+    m = Attn().double()
+    x = torch.randn(2, 5, e, dtype=torch.float64)
+    torch.manual_seed(0)
+    eager = m(x).detach()
+    torch.manual_seed(0)
+    _, functional = torch.func.grad(
+        lambda p, x: (lambda o: (o.sum(), o.detach()))(fg.call(m, p, x)), has_aux=True
+    )(fg.params(m), x)
+    return eager, functional
+
+
+def test_multihead_attention_dropout_draws_other_masks_under_torch_func():
+    """Pinned torch behaviour (2.13, reproduced without funcgrad): under torch.func.grad,
+    nn.MultiheadAttention with dropout consumes the RNG differently, so the nn.Dropout
+    after it draws other masks than eager torch with the same seed;
+    F.scaled_dot_product_attention does not. README, "Exact zeros" explains it. If this
+    test fails, torch changed: update the README."""
+    eager, functional = _dropout_masks(use_sdpa=False)
+    assert not torch.equal(eager == 0, functional == 0)
+    eager, functional = _dropout_masks(use_sdpa=True)
+    assert torch.equal(eager, functional)

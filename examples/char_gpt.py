@@ -1,0 +1,217 @@
+"""A tiny character-level GPT trained on Python's own source, with funcgrad.
+
+A decoder-only transformer (token and position embeddings; blocks of LayerNorm,
+causal ``F.scaled_dot_product_attention``, LayerNorm, GELU MLP; dropout; the output
+head tied to the token embedding) learns to write Python from the source of the
+standard library's ``textwrap`` module, which ships with every Python.
+
+The loop uses:
+  fg.accumulate    gradient accumulation (optax MultiSteps): every update sees the
+                   mean gradient of --accumulate micro-batches
+  fg.monitor       per-block gradient statistics (zero fraction, norm), kept in the
+                   state and printed at the end
+  fg.adamw         with a decay mask (no decay on biases, LayerNorm, embeddings)
+  fg.warmup_cosine_decay
+
+It prints a table of the per-block statistics and a sample of generated text, and
+writes a PNG of the loss curve.
+
+The step runs eagerly by default: compiling a transformer step still takes minutes
+on two cores (the compile-latency issue). ``--compile`` compiles it.
+
+Run: ``python examples/char_gpt.py`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm import tqdm
+
+import funcgrad as fg
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class CharGPT(nn.Module):
+    def __init__(self, vocab: int, block: int, dim: int, layers: int, heads: int, dropout: float):
+        super().__init__()
+        self.block = block
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(block, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(Block(dim, heads, dropout) for _ in range(layers)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: fg.params lists it once, as tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Decay matrices of Linear layers only (not biases, LayerNorm or embeddings)."""
+    return p.ndim == 2 and not name.startswith(("tok.", "pos."))
+
+
+def corpus() -> str:
+    return Path(textwrap.__file__).read_text(encoding="utf-8")
+
+
+@torch.no_grad()
+def sample(model: CharGPT, start: str, stoi, itos, n: int, seed: int) -> str:
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([[stoi[c] for c in start]])
+    for _ in range(n):
+        logits = model(idx[:, -model.block :])[0, -1] / 0.8
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+        idx = torch.cat([idx, nxt.view(1, 1)], 1)
+    model.train()
+    return "".join(itos[i] for i in idx[0].tolist())
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="tiny char-level GPT on Python source, funcgrad")
+    ap.add_argument("--steps", type=int, default=1000, help="optimizer updates")
+    ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per update")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per micro-batch")
+    ap.add_argument("--block", type=int, default=64, help="context length")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
+    ap.add_argument("--sample", type=int, default=300, help="characters to generate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="compile the step (slow to start)")
+    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
+    args = ap.parse_args(argv)
+    if min(args.steps, args.accumulate, args.batch, args.layers, args.heads) < 1:
+        ap.error("--steps, --accumulate, --batch, --layers and --heads must be >= 1")
+    if args.block < 2 or args.dim % args.heads:
+        ap.error("--block must be >= 2 and --dim a multiple of --heads")
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / ".write_test").write_text("")
+        (args.out / ".write_test").unlink()
+    except OSError as err:
+        ap.error(f"cannot write to --out {str(args.out)!r}: {err.strerror}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    torch.manual_seed(args.seed)
+    text = corpus()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text])
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+    model = CharGPT(len(chars), args.block, args.dim, args.layers, args.heads, args.dropout)
+
+    groups = fg.group_by_module(model, depth=2)  # tok, pos, blocks.0, blocks.1, ln
+    schedule = fg.warmup_cosine_decay(0.0, args.lr, max(1, args.steps // 10), args.steps + 1)
+    inner = fg.named_chain(
+        ("monitor", fg.monitor(groups)),
+        ("adamw", fg.adamw(lr=schedule, weight_decay=0.1, mask=decays)),
+    )
+    tx = fg.accumulate(inner, every=args.accumulate)
+
+    def loss_fn(p, x, y):
+        logits = fg.call(model, p, x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    step = fg.make_step(loss_fn, tx, compile=args.compile, donate=True)
+    params = fg.params(model)
+    state = tx.init(params)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def batch(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = torch.randint(len(src) - args.block - 1, (args.batch,), generator=gen)
+        x = torch.stack([src[s : s + args.block] for s in start.tolist()])
+        y = torch.stack([src[s + 1 : s + args.block + 1] for s in start.tolist()])
+        return x, y
+
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    micro_steps = args.steps * args.accumulate
+    for _ in tqdm(range(micro_steps), desc="char-gpt", mininterval=0.5):
+        params, state, loss = step(params, state, *batch(train_data))
+        losses.append(loss.item())
+    elapsed = time.perf_counter() - t0
+
+    model.eval()
+    with torch.no_grad():
+        xv, yv = batch(val_data)
+        val = float(loss_fn(params, xv, yv))
+    model.train()
+    stats = state.inner["monitor"].stats
+    print(f"\n{args.steps} updates x {args.accumulate} micro-batches in {elapsed:.0f} s")
+    print(f"train loss (last 20 micro-batches) {sum(losses[-20:]) / 20:.3f}, val loss {val:.3f}")
+    print(f"(uniform guess: {math.log(len(chars)):.3f} for {len(chars)} characters)\n")
+    print(f"{'group':10s} {'zero frac':>9s} {'grad norm':>10s}   (fg.monitor, last update)")
+    for g, s in stats.items():
+        print(f"{g:10s} {float(s['zero_fraction']):9.4f} {float(s['norm']):10.4f}")
+    text_out = sample(model, "def ", stoi, chars, args.sample, args.seed)
+    print("\nsample:\n" + text_out)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(losses, lw=0.8)
+    ax.set(title="char GPT: training loss per micro-batch", xlabel="micro-batch", ylabel="loss")
+    fig.tight_layout()
+    png = args.out / "char_gpt.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    summary = {
+        "updates": int(state.inner["adamw"].count),
+        "train_loss": sum(losses[-20:]) / min(20, len(losses)),
+        "val_loss": val,
+        "uniform_loss": math.log(len(chars)),
+        "seconds": elapsed,
+        "sample": text_out,
+    }
+    (args.out / "char_gpt.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nfigure: {png.resolve()}")
+    return {**summary, "png": str(png)}
+
+
+if __name__ == "__main__":
+    main()
