@@ -45,6 +45,7 @@ from ._noise import AddNoiseState as AddNoiseState
 from ._noise import add_noise as add_noise
 from ._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState
 from ._nonfinite import skip_if_nonfinite as skip_if_nonfinite
+from ._per_sample import per_sample_grads as per_sample_grads
 from ._schedules import cosine_decay as cosine_decay
 from ._schedules import join_schedules as join_schedules
 from ._schedules import linear_schedule as linear_schedule
@@ -52,7 +53,6 @@ from ._schedules import warmup_cosine_decay as warmup_cosine_decay
 from ._state import load_state_dict as load_state_dict
 from ._state import state_dict as state_dict
 from ._step import make_step as make_step
-from ._step import per_sample_grads as per_sample_grads
 from ._transforms import MonitorState as MonitorState
 from ._transforms import clip_by_global_norm as clip_by_global_norm
 from ._transforms import monitor as monitor

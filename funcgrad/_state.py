@@ -19,7 +19,7 @@ import optree
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State
-from ._tree import flatten
+from ._tree import flatten, names_mismatch
 
 _PLAIN = (bool, int, float, str)
 _HINT = (
@@ -156,12 +156,9 @@ def load_state_dict(
     saved_leaves = [p for p, (kind, _) in saved.items() if kind == "leaf"]
     saved_leaves += [p for p, (kind, v) in saved.items() if kind != "leaf" and p in paths]
     if sorted(paths) != sorted(saved_leaves):
-        missing = [p for p in paths if p not in saved_leaves]
-        extra = [p for p in saved_leaves if p not in paths]
+        mismatch = names_mismatch(paths, saved_leaves, lambda ps: ", ".join(ps) or "(none)")
         raise KeyError(
-            "fg.load_state_dict: the checkpoint does not match tx.init(params): missing "
-            f"{', '.join(missing) or '(none)'}; unexpected {', '.join(extra) or '(none)'}."
-            f"{_HINT}"
+            f"fg.load_state_dict: the checkpoint does not match tx.init(params): {mismatch}.{_HINT}"
         )
     loaded = []
     for path, want in zip(paths, leaves, strict=True):

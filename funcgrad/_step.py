@@ -6,7 +6,8 @@ three parts, each a function of its own:
 - :class:`_Checks`: everything that needs Python (names, structure, batch arity,
   donation safety) runs before tracing, so the traced step is pure tensor code;
 - :func:`_gradients`: ``torch.func.grad`` of the loss, or per-sample gradients
-  (built from the same vmapped function as :func:`per_sample_grads`);
+  (built from the same vmapped function as ``fg.per_sample_grads``, in
+  ``_per_sample.py``);
 - ``update``: ``tx.update`` + ``apply_updates``, then (``donate=True``) writes into
   the given tensors.
 """
@@ -20,100 +21,14 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
 
 from ._base import GradientTransformation, Params, State, apply_updates
 from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write
+from ._per_sample import check_batch, vmapped_grads
 from ._tree import copy_into, tensor_paths
 
 LossFn = Callable[..., Any]
-
-
-def _check_batch(batch: tuple[Any, ...], who: str) -> int:
-    """Every batch argument is a tensor with the same leading (batch) size."""
-    if not batch:
-        raise ValueError(
-            f"{who}: per-sample gradients need at least one batch tensor after params."
-        )
-    sizes = []
-    for i, b in enumerate(batch):
-        if not isinstance(b, Tensor) or b.dim() == 0:
-            raise TypeError(
-                f"{who}: batch argument {i} must be a tensor with a leading batch "
-                f"dimension, got {type(b).__name__}"
-                f"{' (0-d)' if isinstance(b, Tensor) else ''}. Bind constants into "
-                "loss_fn with functools.partial instead."
-            )
-        sizes.append(b.shape[0])
-    if len(set(sizes)) != 1:
-        raise ValueError(
-            f"{who}: batch arguments have different batch sizes {sizes}; every batch "
-            "tensor must have the same leading dimension (one row per sample)."
-        )
-    return sizes[0]
-
-
-def _vmapped_grads(
-    loss_fn: LossFn, has_aux: bool, each: GradientTransformation | None = None
-) -> Callable[..., tuple[Params, Tensor, Any]]:
-    """``fn(params, *batch) -> (grads, losses, aux)``, all with a leading batch dim.
-
-    ``loss_fn`` sees one sample at a time with its batch dimension restored as 1, so
-    a mean-over-batch loss works unchanged; ``each`` (stateless) transforms every
-    sample's gradients inside the vmap.
-    """
-
-    def one(params: Params, *sample: Tensor) -> Any:
-        return loss_fn(params, *(s.unsqueeze(0) for s in sample))
-
-    def one_grad(params: Params, *sample: Tensor) -> tuple[Params, Any]:
-        g, out = grad_and_value(one, has_aux=has_aux)(params, *sample)
-        if each is not None:
-            g, _ = each.update(g, each.init(params), params)
-        return g, out
-
-    def fn(params: Params, *batch: Tensor) -> tuple[Params, Tensor, Any]:
-        g, out = vmap(one_grad, in_dims=(None,) + (0,) * len(batch))(params, *batch)
-        losses, aux = out if has_aux else (out, None)
-        return g, losses, aux
-
-    return fn
-
-
-def _raise_explained(err: BaseException, per_sample: bool) -> None:
-    better = explain_buffer_write(err, per_sample=per_sample)
-    if better is not None:
-        raise better from err
-
-
-def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., Any]:
-    """Per-sample gradients: ``fn(params, *batch) -> {name: [B, *param.shape]}``.
-
-    ``loss_fn(params, *batch) -> scalar`` is called on one sample at a time with
-    its batch dimension restored as 1, so an ordinary mean-over-batch loss works
-    unchanged. Built on ``vmap(grad(loss_fn))``: no Python loop over samples.
-    With ``has_aux=True`` it returns ``(grads, aux)`` with aux batched.
-
-    Example:
-        >>> import torch, funcgrad as fg
-        >>> model = torch.nn.Linear(3, 1)
-        >>> loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()
-        >>> g = fg.per_sample_grads(loss)(fg.params(model), torch.randn(8, 3), torch.randn(8, 1))
-        >>> g["weight"].shape
-        torch.Size([8, 1, 3])
-    """
-    batched = _vmapped_grads(loss_fn, has_aux)
-
-    def fn(params: Params, *batch: Tensor) -> Any:
-        _check_batch(batch, "fg.per_sample_grads")
-        try:
-            g, _, aux = batched(params, *batch)
-        except (RuntimeError, ValueError) as err:
-            _raise_explained(err, per_sample=True)
-            raise
-        return (g, aux) if has_aux else g
-
-    return fn
 
 
 def _gradients(
@@ -148,7 +63,7 @@ def _gradients(
             return grads, loss, None, aux
 
         return plain
-    batched = _vmapped_grads(loss_fn, has_aux, each=per_sample)
+    batched = vmapped_grads(loss_fn, has_aux, each=per_sample)
 
     def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
         g, losses, aux = batched(params, *batch)
@@ -232,7 +147,7 @@ class _Checks:
                         f"{type(b).__name__}, not a tensor. Pass fg.buffers(model)."
                     )
         if self.per_sample is not None:  # shapes can change between calls: always check
-            _check_batch(args, "fg.make_step(per_sample=...)")
+            check_batch(args, "fg.make_step(per_sample=...)")
         flat, spec = optree.tree_flatten((params, state, args[:1] if self.buffers else ()))  # type: ignore[arg-type,var-annotated]
         key = (spec, tuple(map(id, flat)) if self.donate else (), len(args))
         if key == self.last:

@@ -62,11 +62,13 @@ def copy_into(dst: Any, src: Any) -> None:
     pytree.tree_map(_copy, dst, src)
 
 
-def names_mismatch(expected: Iterable[str], got: Iterable[str]) -> str:
+def names_mismatch(
+    expected: Iterable[str], got: Iterable[str], show: Callable[[list[str]], str] = str
+) -> str:
     """``"missing [...]; unexpected [...]"``: the one wording for two name sets that
-    should be equal (parameters, labels, checkpoint entries)."""
+    should be equal (parameters, labels, masks, checkpoint paths)."""
     exp, have = list(expected), list(got)
     exp_set, have_set = set(exp), set(have)
     missing = [n for n in exp if n not in have_set]
     extra = [n for n in have if n not in exp_set]
-    return f"missing {missing}; unexpected {extra}"
+    return f"missing {show(missing)}; unexpected {show(extra)}"

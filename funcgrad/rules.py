@@ -27,18 +27,12 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from ._rule_base import (
-    Condition,
-    Group,
-    Rule,
-    any_of,
-    apply_rule,
-    check_is_rule,
-    group_norm,
-    is_zero,
-    number,
-    zero_count,
-)
+from . import _rule_base as _rb
+from ._rule_base import Condition, Rule
+
+# The helpers stay in _rule_base (not importable as fg.rules.<name>): fg.rules holds
+# rules, conditions and their two classes only.
+Group = _rb.Group
 
 __all__ = [
     "Condition",
@@ -61,7 +55,7 @@ __all__ = [
 
 
 def _atol(atol: object, who: str) -> float:
-    a = number(atol, f"fg.rules.{who}: atol")
+    a = _rb.number(atol, f"fg.rules.{who}: atol")
     if a < 0:
         raise ValueError(f"fg.rules.{who}: atol must be >= 0, got {a}.")
     return a
@@ -89,10 +83,11 @@ def all_zero(atol: float = 0.0) -> Condition:
     """
     a = _atol(atol, "all_zero")
     if a == 0.0:
-        return Condition(lambda g: ~any_of([t.ne(0).any() for t in g.values()]), "all_zero()")
+        return Condition(lambda g: ~_rb.any_of([t.ne(0).any() for t in g.values()]), "all_zero()")
     # ~(|t| > atol).any() rather than (|t| <= atol).all(): NaN is not zero either way.
     return Condition(
-        lambda g: ~any_of([(~is_zero(t, a)).any() for t in g.values()]), f"all_zero(atol={a})"
+        lambda g: ~_rb.any_of([(~_rb.is_zero(t, a)).any() for t in g.values()]),
+        f"all_zero(atol={a})",
     )
 
 
@@ -107,7 +102,8 @@ def any_zero(atol: float = 0.0) -> Condition:
     """
     a = _atol(atol, "any_zero")
     return Condition(
-        lambda g: any_of([is_zero(t, a).any() for t in g.values()]), f"any_zero({_suffix(a)})"
+        lambda g: _rb.any_of([_rb.is_zero(t, a).any() for t in g.values()]),
+        f"any_zero({_suffix(a)})",
     )
 
 
@@ -121,7 +117,7 @@ def any_nonfinite() -> Condition:
         tensor(True)
     """
     return Condition(
-        lambda g: any_of([torch.isfinite(t).logical_not().any() for t in g.values()]),
+        lambda g: _rb.any_of([torch.isfinite(t).logical_not().any() for t in g.values()]),
         "any_nonfinite()",
     )
 
@@ -135,7 +131,7 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
         >>> rules.zero_fraction_above(0.5)({"w": torch.tensor([0.0, 0.0, 1.0])})
         tensor(True)
     """
-    p = number(p, "fg.rules.zero_fraction_above: p")
+    p = _rb.number(p, "fg.rules.zero_fraction_above: p")
     a = _atol(atol, "zero_fraction_above")
     if not 0.0 <= p < 1.0:
         raise ValueError(
@@ -146,7 +142,7 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
     def cond(g: Group) -> Tensor:
         total = sum(t.numel() for t in g.values())
         # Integer count against a host float threshold: no rounding of the fraction.
-        return zero_count(g, a) > p * total
+        return _rb.zero_count(g, a) > p * total
 
     return Condition(cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})")
 
@@ -160,10 +156,10 @@ def norm_above(x: float) -> Condition:
         >>> rules.norm_above(4.0)({"w": torch.tensor([3.0, 4.0])})
         tensor(True)
     """
-    x = number(x, "fg.rules.norm_above: x")
+    x = _rb.number(x, "fg.rules.norm_above: x")
     if x < 0:
         raise ValueError(f"fg.rules.norm_above: x must be >= 0, got {x}; a norm is never negative.")
-    return Condition(lambda g: group_norm(g) > x, f"norm_above({x})")
+    return Condition(lambda g: _rb.group_norm(g) > x, f"norm_above({x})")
 
 
 # -------------------------------------------------------------------- actions
@@ -209,7 +205,7 @@ def fill(value: float) -> Rule:
         >>> rules.fill(1.0)({"w": torch.zeros(2, dtype=torch.float16)})
         {'w': tensor([1., 1.], dtype=torch.float16)}
     """
-    v = number(value, "fg.rules.fill: value")
+    v = _rb.number(value, "fg.rules.fill: value")
     return Rule(lambda g: {k: torch.full_like(t, v) for k, t in g.items()}, f"fill({v})")
 
 
@@ -222,10 +218,10 @@ def replace_zeros(value: float, atol: float = 0.0) -> Rule:
         >>> rules.replace_zeros(0.5)({"w": torch.tensor([0.0, 2.0])})
         {'w': tensor([0.5000, 2.0000])}
     """
-    v = number(value, "fg.rules.replace_zeros: value")
+    v = _rb.number(value, "fg.rules.replace_zeros: value")
     a = _atol(atol, "replace_zeros")
     return Rule(
-        lambda g: {k: torch.where(is_zero(t, a), v, t) for k, t in g.items()},
+        lambda g: {k: torch.where(_rb.is_zero(t, a), v, t) for k, t in g.items()},
         f"replace_zeros({v}{', atol=' + str(a) if a else ''})",
     )
 
@@ -239,7 +235,7 @@ def replace_nonfinite(value: float = 0.0) -> Rule:
         >>> rules.replace_nonfinite()({"w": torch.tensor([float("nan"), 2.0])})
         {'w': tensor([0., 2.])}
     """
-    v = number(value, "fg.rules.replace_nonfinite: value")
+    v = _rb.number(value, "fg.rules.replace_nonfinite: value")
     return Rule(
         lambda g: {k: torch.where(torch.isfinite(t), t, v) for k, t in g.items()},
         f"replace_nonfinite({v})",
@@ -255,7 +251,7 @@ def scale(factor: float) -> Rule:
         >>> rules.scale(0.5)({"w": torch.tensor([2.0])})
         {'w': tensor([1.])}
     """
-    f = number(factor, "fg.rules.scale: factor")
+    f = _rb.number(factor, "fg.rules.scale: factor")
     return Rule(lambda g: {k: t * f for k, t in g.items()}, f"scale({f})")
 
 
@@ -271,12 +267,12 @@ def clip_norm(max_norm: float) -> Rule:
         >>> rules.clip_norm(1.0)({"w": torch.tensor([3.0, 4.0])})
         {'w': tensor([0.6000, 0.8000])}
     """
-    m = number(max_norm, "fg.rules.clip_norm: max_norm")
+    m = _rb.number(max_norm, "fg.rules.clip_norm: max_norm")
     if m <= 0:
         raise ValueError(f"fg.rules.clip_norm: max_norm must be > 0, got {m}.")
 
     def rule(g: Group) -> dict[str, Tensor]:
-        coef = torch.clamp(m / (group_norm(g) + 1e-6), max=1.0)
+        coef = torch.clamp(m / (_rb.group_norm(g) + 1e-6), max=1.0)
         return {k: t * coef.to(t.dtype) for k, t in g.items()}
 
     return Rule(rule, f"clip_norm({m})")
@@ -304,7 +300,7 @@ def when(
     """
     other = unchanged() if otherwise is None else otherwise
     for what, fn in (("condition", condition), ("then", then), ("otherwise", other)):
-        check_is_rule(fn, f"fg.rules.when: {what}")
+        _rb.check_is_rule(fn, f"fg.rules.when: {what}")
     name = f"when({condition!r}, {then!r}, otherwise={other!r})"
 
     def rule(g: Group) -> dict[str, Tensor]:
@@ -314,7 +310,7 @@ def when(
                 f"fg.rules.when: condition {condition!r} must return a 0-d bool tensor, "
                 f"got {c!r}. Reduce it, e.g. (t == 0).all(), and avoid Python bools."
             )
-        a, b = apply_rule(then, g), apply_rule(other, g)
+        a, b = _rb.apply_rule(then, g), _rb.apply_rule(other, g)
         return {k: torch.where(c, a[k], b[k]) for k in g}
 
     return Rule(rule, name)
@@ -360,8 +356,8 @@ def zero_fix(
             if_all_zero = value
         else:
             if_zero = value
-    a = number(if_all_zero, "fg.rules.zero_fix: if_all_zero")
-    z = number(if_zero, "fg.rules.zero_fix: if_zero")
+    a = _rb.number(if_all_zero, "fg.rules.zero_fix: if_all_zero")
+    z = _rb.number(if_zero, "fg.rules.zero_fix: if_zero")
     tol = _atol(atol, "zero_fix")
     dead = all_zero(tol)
 
@@ -370,7 +366,7 @@ def zero_fix(
         # in an all-zero group every entry is a zero, so "zeros become (a if the group
         # is all-zero else z)" is the whole rule. No full-size fill is materialized.
         value = torch.where(dead(g), a, z)  # 0-d: a for a dead group, else z
-        return {k: torch.where(is_zero(t, tol), value.to(t.dtype), t) for k, t in g.items()}
+        return {k: torch.where(_rb.is_zero(t, tol), value.to(t.dtype), t) for k, t in g.items()}
 
     extra = f", atol={tol}" if tol else ""
     return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})")
