@@ -11,8 +11,12 @@ With gradient :math:`g_t`, parameters :math:`p`, step :math:`t` (1-based)::
     u_t  <- u_t - lr * wd * p                  AdamW (decoupled), if wd != 0
 
 The step counter is an int64 0-d tensor and the bias corrections are computed in
-float64 (as torch does in Python doubles), then cast to the parameter dtype: no
-recompiles as the step grows, and no drift from ``torch.optim``.
+float64 (as torch does in Python doubles), then cast to the compute dtype: no
+recompiles as the step grows, and no drift from ``torch.optim``. float16 and bfloat16
+parameters are computed in float32 and their moments stored in their own dtype
+(torch's opmath); the update is float32 and ``apply_updates`` rounds it once. Within a
+step the float32 moments are used (torch re-reads the rounded ones), so a float16
+second moment that underflows gives a finite update here and inf/NaN in torch.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def _check_hparams(
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
+
+_HALF = (torch.float16, torch.bfloat16)
 
 DecayMask = Union[Mapping[str, bool], Callable[[str, Tensor], bool], None]
 """Where weight decay applies: ``None`` (everywhere), a dict ``name -> bool`` naming
@@ -185,14 +191,17 @@ def _adam(
         scalars = _bias_scalars(count, lr_t, b1, b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
 
-        # The step's scalars in each parameter dtype, converted once per dtype.
+        # The step's scalars in each compute dtype, converted once per dtype.
         per_dtype: dict[torch.dtype, tuple[Tensor, Tensor, Tensor]] = {}
         updates: Params = {}
         mu: Params = {}
         nu: Params = {}
         nu_max: Params = {}
         for k, g in grads.items():
-            dt = g.dtype
+            # torch's "opmath": half-precision tensors are computed in float32 and
+            # only stored in their own dtype (g * g overflows float16 at |g| > 256).
+            sdt = state.mu[k].dtype
+            dt = torch.float32 if sdt in _HALF else sdt
             if dt not in per_dtype:
                 per_dtype[dt] = (
                     (-step_size).to(dt),
@@ -200,28 +209,32 @@ def _adam(
                     (lr_t * weight_decay).to(dt),
                 )
             neg_step, inv_bc2, lr_decay = per_dtype[dt]
+            g = g.to(dt)
             if maximize:
                 g = -g
             if decay.get(k, False) and not decoupled:
                 assert params is not None
-                g = g + weight_decay * params[k]
-            # In-place ops below only touch tensors made in this function (fewer
-            # temporaries in eager mode; torch.compile functionalizes them anyway).
-            m = torch.lerp(state.mu[k], g, 1.0 - b1)
-            # Not addcmul: its decomposition under torch.compile rounds differently, and
-            # eager must equal compiled exactly (the tests check it with aot_eager).
-            v = state.nu[k] * b2 + (1.0 - b2) * (g * g)
-            mu[k], nu[k] = m, v
+                g = g + weight_decay * params[k].to(dt)
+            m = torch.lerp(state.mu[k].to(dt), g, 1.0 - b1)
+            # (1 - b2) * g first, then * g: no overflow where torch has none (its addcmul
+            # computes value * t1 * t2 in that order), and not addcmul itself, whose
+            # decomposition under torch.compile rounds differently from eager.
+            v = state.nu[k].to(dt) * b2 + ((1.0 - b2) * g) * g
+            # Stored in the parameter's dtype; this step goes on with the float32 values
+            # (torch re-reads its rounded float16 copies: a second moment below 6e-8
+            # then reads as 0, and its update becomes inf/NaN where this one is finite).
+            mu[k], nu[k] = m.to(sdt), v.to(sdt)
             if amsgrad:
-                v = torch.maximum(state.nu_max[k], v)
-                nu_max[k] = v
+                v = torch.maximum(state.nu_max[k].to(dt), v)
+                nu_max[k] = v.to(sdt)
             # One division per element, not two: sqrt(v) * (1 / sqrt(bc2)) differs from
-            # torch's sqrt(v) / sqrt(bc2) by at most an ulp.
+            # torch's sqrt(v) / sqrt(bc2) by at most an ulp. In-place ops only touch
+            # tensors made here (fewer temporaries eagerly; compile functionalizes).
             denom = torch.sqrt(v).mul_(inv_bc2).add_(eps)
             u = torch.div(m, denom).mul_(neg_step)
             if decay.get(k, False) and decoupled:
                 assert params is not None
-                u = u.sub_(lr_decay * params[k])
+                u = u.sub_(lr_decay * params[k].to(dt))
             updates[k] = u
         return updates, AdamState(count, mu, nu, nu_max)
 

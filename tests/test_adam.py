@@ -173,3 +173,84 @@ def test_state_and_param_errors():
         tx.init({"n": torch.ones(2, dtype=torch.int64)})
     with pytest.raises(TypeError, match=re.escape("complex parameters are not supported")):
         tx.init({"z": torch.ones(2, dtype=torch.complex64)})
+
+
+def _one_param_run(fg_opt, torch_opt, dtype, grads, kw, compile_backend=None):
+    """Same param and gradient sequence through fg and torch.optim; both params."""
+    p0 = torch.tensor([1.0, -0.5, 0.25], dtype=dtype)
+    leaf = torch.nn.Parameter(p0.clone())
+    opt = torch_opt([leaf], **kw)
+    tx = fg_opt(**kw)
+    params = {"w": p0.clone()}
+    state = tx.init(params)
+
+    def update(g, state, params):
+        updates, state = tx.update(g, state, params)
+        return fg.apply_updates(params, updates), state
+
+    if compile_backend:
+        torch._dynamo.reset()
+        update = torch.compile(update, fullgraph=True, backend=compile_backend)
+    for g in grads:
+        leaf.grad = g.clone()
+        opt.step()
+        params, state = update({"w": g}, state, params)
+    return params["w"], leaf.detach(), state
+
+
+LOW_PRECISION_CASES = [
+    (torch.float16, 300.0),  # g * g = 90000 > float16's max 65504
+    (torch.float16, 0.5),  # ordinary gradients (small ones: the next test)
+    (torch.bfloat16, 1e20),  # g * g = 1e40 > bfloat16's max 3.4e38
+    (torch.bfloat16, 1e-30),
+    (torch.float32, 1e20),  # the same in float32: torch keeps exp_avg_sq = 1e37
+    (torch.float32, 1e-30),
+]
+
+
+@pytest.mark.parametrize(("dtype", "scale"), LOW_PRECISION_CASES)
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_large_and_tiny_gradients_match_torch_optim(dtype, scale, decoupled, backend):
+    """torch.optim computes half precision in float32 (opmath) and orders (1 - b2) * g * g
+    so that it does not overflow; fg.adam must move the parameter the same way."""
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(3, generator=g) * scale).to(dtype) for _ in range(5)]
+    kw = dict(lr=0.01, weight_decay=0.1 if decoupled else 0.0, amsgrad=decoupled)
+    fg_opt, torch_opt = (fg.adamw, torch.optim.AdamW) if decoupled else (fg.adam, torch.optim.Adam)
+    ours, theirs, state = _one_param_run(fg_opt, torch_opt, dtype, grads, kw, backend)
+    assert torch.isfinite(state.nu["w"]).all() and torch.isfinite(ours).all()
+    assert ours.dtype == state.mu["w"].dtype == state.nu["w"].dtype == dtype
+    if scale > 1:  # large gradients move it by about lr per step
+        assert not torch.equal(ours, torch.tensor([1.0, -0.5, 0.25], dtype=dtype))
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6}[dtype]
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+
+
+def test_float16_second_moment_underflow_stays_finite_where_torch_does_not():
+    """|g| = 1e-4 in float16: (1 - b2) * g * g = 1e-11 underflows the stored second
+    moment to 0. torch re-reads that 0 (and eps = 1e-8 is 0 in float16): inf/NaN.
+    fg.adam uses this step's float32 moments: finite steps of about lr."""
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(3, generator=g) * 1e-4).to(torch.float16) for _ in range(5)]
+    ours, theirs, _ = _one_param_run(fg.adam, torch.optim.Adam, torch.float16, grads, {"lr": 0.01})
+    assert not torch.isfinite(theirs).all()
+    start = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float16)
+    assert torch.isfinite(ours).all()
+    assert float((ours.float() - start.float()).abs().max()) < 5 * 0.01 * 6
+
+
+def test_float16_gradient_of_300_moves_the_parameter_like_torch():
+    """The reported case: one step at lr 0.01 with a float16 parameter and gradient 300."""
+    grads = [torch.tensor([300.0], dtype=torch.float16)]
+    p0 = torch.tensor([0.988], dtype=torch.float16)
+    leaf = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.Adam([leaf], lr=0.01)
+    leaf.grad = grads[0].clone()
+    opt.step()
+    tx = fg.adam(lr=0.01)
+    params = {"w": p0.clone()}
+    updates, state = tx.update({"w": grads[0]}, tx.init(params), params)
+    moved = fg.apply_updates(params, updates)["w"]
+    assert float(state.nu["w"]) == pytest.approx(90.0, rel=1e-3)  # not inf
+    assert torch.equal(moved, leaf.detach())
