@@ -13,6 +13,8 @@ Variants of a training step (MLP 256-512-512-512-10 batch 64, and a small CNN):
 
 Update-heavy (about 32M parameters in 8 layers, 30% zero gradients, loss sum(p * G)):
   fg-comp       funcgrad compiled + donated, with the rule and Adam
+  fg-ingraph    the same with 0.1's in-graph donation (not transactional), for the
+                cost of committing writes after the graph
   fused         loss.backward() + torch.optim.Adam(fused=True), no rule at all
   foreach+rule  loss.backward() + the correct eager rule + torch.optim.Adam(foreach=True)
 
@@ -147,6 +149,23 @@ def step_variants(make_model: Callable[[], nn.Module], x: torch.Tensor, y: torch
     return fns, compile_s
 
 
+def _in_graph_donation(loss_fn, tx, params, state):
+    """funcgrad 0.1's donation: the compiled graph writes params and state in place.
+    Faster, but not transactional (inductor may write a donated input before a later
+    op fails, and Ctrl-C can land between its kernels); kept here to measure what
+    committing after the graph costs."""
+    import torch.utils._pytree as pytree
+
+    def step(p, s):
+        grads = torch.func.grad(loss_fn)(p)
+        updates, new_s = tx.update(grads, s, p)
+        new_p = fg.apply_updates(p, updates)
+        pytree.tree_map(lambda d, x: d.copy_(x), (p, s), (new_p, new_s))
+
+    compiled = torch.compile(step, fullgraph=True)
+    return lambda: compiled(params, state)
+
+
 def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
     """A model whose loss is sum(p * G): the backward is trivial, the update is all."""
     gen = torch.Generator().manual_seed(0)
@@ -156,7 +175,7 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
         g = torch.randn(p.shape, generator=gen)
         g[torch.rand(p.shape, generator=gen) < 0.3] = 0.0
         G[name] = g
-    if variant.startswith(("fg-comp", "acc-")):
+    if variant.startswith(("fg-comp", "fg-ingraph", "acc-")):
         groups = fg.group_by_module(model)
         tx = fg.chain(fg.per_group(RULE, groups), fg.adam())
         if variant.startswith("acc-"):  # acc-mid: every call is a non-final micro-step
@@ -168,6 +187,8 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
         def loss_fn(p):
             return sum((p[k] * G[k]).sum() for k in p)
 
+        if variant == "fg-ingraph":
+            return _in_graph_donation(loss_fn, tx, params, state)
         step = fg.make_step(loss_fn, tx, compile=True, donate=True)
         return lambda: step(params, state)
     fused = variant == "fused"
@@ -185,7 +206,7 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
     return torch_step
 
 
-UPDATE_VARIANTS = ("fg-comp", "fused", "foreach+rule")
+UPDATE_VARIANTS = ("fg-comp", "fg-ingraph", "fused", "foreach+rule")
 
 
 def _status_mib(field: str) -> float:

@@ -8,8 +8,15 @@ three parts, each a function of its own:
 - :func:`_gradients`: ``torch.func.grad`` of the loss, or per-sample gradients
   (built from the same vmapped function as ``fg.per_sample_grads``, in
   ``_per_sample.py``);
-- ``update``: ``tx.update`` + ``apply_updates``, then (``donate=True``) writes into
-  the given tensors.
+- ``pure_step``: ``tx.update`` + ``apply_updates``, a pure function (the compiled
+  graph never writes its inputs);
+- then, with ``donate=True``, :func:`funcgrad._tree.commit` writes every result into
+  the given tensors in one multi-tensor copy, with Ctrl-C held back until it is done.
+
+So a step that raises (in the loss, in the backward, in the update, eager or
+compiled) or is interrupted changes nothing, and a finished step changed everything:
+params and state are never left half-updated. (Inductor was free to schedule an
+in-graph write of a donated input, such as Adam's counter, before the loss ran.)
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from torch.func import grad_and_value
 from ._base import GradientTransformation, Params, State, apply_updates
 from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write
 from ._per_sample import check_batch, vmapped_grads
-from ._tree import copy_into, tensor_paths
+from ._tree import commit, tensor_paths
 
 LossFn = Callable[..., Any]
 
@@ -299,29 +306,27 @@ def make_step(
         out += (new_bufs,) if buffers else ()
         return out + (loss.detach(),) + ((aux,) if has_aux else ())
 
-    def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
-        out = pure_step(params, state, *args)
-        given = (params, state, args[0]) if buffers else (params, state)
-        copy_into(given, out[: len(given)])
-        return given + out[len(given) :]
-
-    step_impl = donated_step if donate else pure_step
     if isinstance(compile, dict) or compile:
         options = compile if isinstance(compile, dict) else {}
-        impl = torch.compile(step_impl, **{**options, "fullgraph": True})
+        impl = torch.compile(pure_step, **{**options, "fullgraph": True})
     else:
-        impl = step_impl
+        impl = pure_step
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         checks(params, state, args)
         try:
-            return impl(params, state, *args)
+            out = impl(params, state, *args)
         except Exception as err:
             better: Exception | None = explain_buffer_write(err, per_sample=per_sample is not None)
-            if better is None and impl is not step_impl:
+            if better is None and impl is not pure_step:
                 better = _explain_compile_failure(err, lambda: pure_step(params, state, *args))
             if better is None or better is err:
                 raise
             raise better from err
+        if not donate:
+            return out
+        given = (params, state, args[0]) if buffers else (params, state)
+        commit(given, out[: len(given)])
+        return given + out[len(given) :]
 
     return step

@@ -14,10 +14,14 @@ not by position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import optree
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -48,18 +52,40 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     return pytree.tree_map(fn, tree, *rest)
 
 
-def _copy(dst: Tensor, src: Tensor) -> Tensor:
-    if dst.dim() == 0:
-        # torch 2.13: under torch.compile (aot_eager and inductor) an in-place write
-        # into a 0-d float64 graph input is silently dropped (float32, float16 and
-        # int64 are kept); written through a 1-element view it is kept.
-        return dst.view(1).copy_(src.reshape(1))
-    return dst.copy_(src)
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold back SIGINT (Ctrl-C) until the block is done, then deliver it.
+
+    Only the main thread receives signals in Python, and only it may set handlers;
+    elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
 
 
-def copy_into(dst: Any, src: Any) -> None:
-    """``dst.copy_(src)`` leaf by leaf (dict entries matched by key); traceable."""
-    pytree.tree_map(_copy, dst, src)
+def commit(dst: Any, src: Any) -> None:
+    """Write every tensor of ``src`` into the matching one of ``dst``, all or nothing.
+
+    One ``torch._foreach_copy_`` over all leaves (dict entries matched by key), with
+    Ctrl-C held back until it is done: an interrupted training step is either not
+    applied at all or applied whole. Eager code only (after the compiled step ran).
+    """
+    pairs: list[tuple[Tensor, Tensor]] = []
+    pytree.tree_map(lambda d, s: pairs.append((d, s)), dst, src)
+    pairs = [(d, s) for d, s in pairs if d is not s]
+    if not pairs:
+        return
+    with _sigint_held(), torch.no_grad():
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def names_mismatch(

@@ -1,0 +1,127 @@
+"""A donated step that fails or is interrupted changes nothing; a finished one
+changed everything (eager and compiled)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from conftest import assert_trees_close
+from torch import nn
+
+import funcgrad as fg
+
+
+def classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def make(model: nn.Module, compile, donate: bool = True) -> tuple:
+    groups = fg.group_by_module(model)
+    tx = fg.named_chain(
+        ("monitor", fg.monitor(groups)),
+        ("rule", fg.per_group(fg.rules.zero_fix(), groups)),
+        ("adam", fg.adam(lr=1e-2)),
+    )
+
+    def loss_fn(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    step = fg.make_step(loss_fn, tx, compile=compile, donate=donate)
+    params = fg.params(model)
+    return step, params, tx.init(params)
+
+
+def pure_twin(compile):
+    """The same step without donation: computes what the donated one should write."""
+    return make(classifier(), compile, donate=False)[0]
+
+
+def snapshot(tree):
+    return torch.utils._pytree.tree_map(lambda t: t.clone(), tree)
+
+
+@pytest.fixture(scope="module")
+def compiled_classifier():
+    torch._dynamo.reset()
+    model = classifier()
+    return model, make(model, True)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_step_that_raises_changes_nothing(compiled, compiled_classifier):
+    step, params, state = compiled_classifier[1] if compiled else make(classifier(), False)
+    x = torch.randn(8, 64)
+    y = torch.randint(0, 10, (8,))
+    params, state, _ = step(params, state, x, y)  # one good step: state is not all zeros
+    before = snapshot((params, state))
+    bad = y.clone()
+    bad[3] = 10  # a label out of range: cross_entropy fails at run time
+    with pytest.raises((IndexError, RuntimeError), match=r"out of bounds|out of range"):
+        step(params, state, x, bad)
+    assert_trees_close((params, state), before)  # bit-identical: nothing half-applied
+    assert int(state["adam"].count) == 1
+    params, state, _ = step(params, state, x, y)  # and the step still works
+    assert int(state["adam"].count) == 2
+
+
+def _interrupt_after(delay: float) -> threading.Thread:
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def fire() -> None:
+        time.sleep(delay)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=fire, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_interrupted_step_is_all_old_or_all_new(compiled, compiled_classifier):
+    """Ctrl-C (a real SIGINT from a timer thread) at random moments of many steps:
+    afterwards params and state are those before the step or those after it."""
+    if compiled:
+        _, (step, params, state) = compiled_classifier
+    else:
+        step, params, state = make(classifier(), False)
+    twin = pure_twin(compiled)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g)
+    y = torch.randint(0, 10, (8,), generator=g)
+    for _ in range(3):  # compile (first call) and warm up
+        params, state, _ = step(params, state, x, y)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        params, state, _ = step(params, state, x, y)
+    step_s = (time.perf_counter() - t0) / 5
+    rng = random.Random(0)
+    outcomes = {"old": 0, "new": 0}
+    for _ in range(200):
+        old = snapshot((params, state))
+        new = twin(params, state, x, y)[:2]  # the same step, not donated: writes nothing
+        thread = None
+        try:
+            try:
+                thread = _interrupt_after(rng.uniform(0.0, 3.0 * step_s))
+                step(params, state, x, y)
+            finally:
+                while thread is not None and thread.is_alive():
+                    thread.join()
+            time.sleep(0.001)  # a signal sent after the step returned arrives here
+        except KeyboardInterrupt:
+            pass
+        try:
+            assert_trees_close((params, state), old)
+            outcomes["old"] += 1
+        except AssertionError:
+            assert_trees_close((params, state), new)
+            outcomes["new"] += 1
+    # Both outcomes happened: interrupts landed inside steps, not only between them.
+    assert outcomes["old"] > 0 and outcomes["new"] > 0, outcomes
