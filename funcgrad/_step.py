@@ -85,16 +85,31 @@ def _meta(tree: Any) -> Any:
     )
 
 
-def _check_donation(params: Params, state: State, buffers: Mapping[str, Tensor]) -> None:
+def _check_tensors(
+    params: Params, state: State, buffers: Mapping[str, Tensor], donate: bool
+) -> None:
+    """Leaves the step can use: no autograd history, real data, and (donated) no
+    two views of one memory."""
     seen: dict[int, str] = {}
     for where, tree in (("params", params), ("state", state), ("buffers", buffers)):
         for path, t in tensor_paths(tree, where):
             if t.requires_grad:
                 raise ValueError(
-                    f"fg.make_step(donate=True): {path} requires grad, so it cannot be "
-                    "updated in place. Pass fg.params(model) (detached) rather than "
-                    "dict(model.named_parameters())."
+                    f"fg.make_step: {path} requires grad. The step differentiates with "
+                    "torch.func.grad itself; a tensor that requires grad would make every "
+                    "step extend an autograd history (memory grows without bound) and "
+                    "cannot be updated in place. Pass fg.params(model) (detached) rather "
+                    "than dict(model.named_parameters())."
                 )
+            if t.is_meta:
+                raise ValueError(
+                    f"fg.make_step: {path} is on the meta device: it has a shape but no "
+                    "data to train. Materialize the model first, e.g. "
+                    "model.to_empty(device='cpu') and then initialize its parameters "
+                    "(or load a checkpoint), and take fg.params(model) after that."
+                )
+            if not donate:
+                continue
             key = t.untyped_storage().data_ptr()
             if t.numel() and key in seen:
                 raise ValueError(
@@ -178,8 +193,7 @@ class _Checks:
                 "could carry its state from step to step. Put stateful "
                 "transformations (Adam, add_noise, monitor) in tx instead."
             )
-        if self.donate:
-            _check_donation(params, state, args[0] if self.buffers else {})
+        _check_tensors(params, state, args[0] if self.buffers else {}, self.donate)
         try:  # run the transformation's own checks on shape-only tensors
             mp = _meta(params)
             self.tx.update(mp, _meta(state), mp)

@@ -89,7 +89,75 @@ def _python_if_schedule_in_step(compile):
     step(p, tx.init(p), torch.ones(1, 2))
 
 
+def _compiled_linear_step(params_fn, loss=None, compile=True):
+    torch._dynamo.reset()
+    model = nn.Linear(2, 1)
+    tx = fg.adam()
+
+    def default_loss(p, x):
+        return fg.call(model, p, x).sum()
+
+    step = fg.make_step(
+        loss or default_loss, tx, compile={"backend": "aot_eager"} if compile else False
+    )
+    p = params_fn(model)
+    state = tx.init({k: v.detach() for k, v in p.items()})
+    step(p, state, torch.ones(3, 2))
+
+
+class _UserError(Exception):
+    pass
+
+
+def _raises_user_error(p, x):
+    raise _UserError("the user's own error, raised in loss_fn")
+
+
+def _meta_params(model):
+    return {k: torch.empty_like(v, device="meta") for k, v in fg.params(model).items()}
+
+
+def _misspelled(model):
+    p = fg.params(model)
+    p["wieght"] = p.pop("weight")
+    return p
+
+
+def _extra_key(model):
+    return {**fg.params(model), "gamma": torch.ones(1)}
+
+
 CASES = [
+    (
+        "fg.make_step: params['weight'] requires grad",
+        ValueError,
+        lambda: _compiled_linear_step(lambda m: dict(m.named_parameters())),
+    ),
+    (
+        "requires grad. The step differentiates with torch.func.grad itself",
+        ValueError,
+        lambda: _compiled_linear_step(lambda m: dict(m.named_parameters()), compile=False),
+    ),
+    (
+        "fg.make_step: params['weight'] is on the meta device: it has a shape but no data",
+        ValueError,
+        lambda: _compiled_linear_step(_meta_params),
+    ),
+    (
+        "fg.call: 'wieght' is not a parameter of Linear (did you mean 'weight'?)",
+        KeyError,
+        lambda: _compiled_linear_step(_misspelled),
+    ),
+    (
+        "fg.call: 'gamma' is not a parameter of Linear",
+        KeyError,
+        lambda: _compiled_linear_step(_extra_key),
+    ),
+    (
+        "the user's own error, raised in loss_fn",
+        _UserError,
+        lambda: _compiled_linear_step(fg.params, loss=_raises_user_error),
+    ),
     (
         "fg.make_step(compile=True): the model has an nn.RNN, nn.GRU or nn.LSTM, and torch.compile (dynamo) refuses to trace those modules. Use compile=False",
         TypeError,

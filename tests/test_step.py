@@ -177,7 +177,7 @@ def test_step_errors_before_tracing():
         bad_state = fg.chain(fg.per_group(fg.rules.unchanged(), {}), fg.adam(lr=1e-2)).init(small)
         step(params, bad_state, x)
     with pytest.raises(
-        ValueError, match=re.escape("requires grad, so it cannot be updated in place")
+        ValueError, match=re.escape("fg.make_step: params['fc1.weight'] requires grad")
     ):
         step(dict(model.named_parameters()), state, x)
     aliased = dict(params)
