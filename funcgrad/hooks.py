@@ -24,6 +24,7 @@ Semantics, chosen to equal the functional path (``torch.func.grad`` + ``fg.per_g
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,12 +53,30 @@ class RuleHandle:
         self.remove()
 
 
+def _current_scale(scaler: Any) -> Tensor | float | None:
+    """The scale a GradScaler multiplied the loss by, as a device tensor (no host
+    sync) where torch offers one; None when the scaler is disabled."""
+    if not scaler.is_enabled():
+        return None
+    get_async = getattr(scaler, "_get_scale_async", None)  # a tensor, no sync
+    scale = get_async() if get_async is not None else None
+    return scale if scale is not None else scaler.get_scale()
+
+
 def attach(
     model: nn.Module,
     rule: Callable[[dict[str, Tensor]], Mapping[str, Tensor]],
     groups: Groups | Mapping[str, Sequence[str]],
+    scaler: Any = None,
 ) -> RuleHandle:
     """Apply ``rule`` to each group's ``.grad`` at the end of every backward pass.
+
+    With ``scaler`` (a ``torch.amp.GradScaler``), ``.grad`` holds gradients multiplied
+    by the scaler's current scale. The rule then acts in the loss's own units: each
+    group is divided by the scale, the rule applied, and the result multiplied back,
+    so ``scaler.unscale_`` / ``scaler.step`` see exactly what the rule made of the
+    true gradient (an all-zero layer becomes 1.0, not 1.0 / scale). The scale is
+    read as a device tensor: no host sync.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -71,6 +90,10 @@ def attach(
         >>> handle.remove()
     """
     check_is_rule(rule, "fg.hooks.attach: rule")
+    if scaler is not None and not (hasattr(scaler, "is_enabled") and hasattr(scaler, "get_scale")):
+        raise TypeError(
+            f"fg.hooks.attach: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}."
+        )
     groups = as_groups(groups)
     named = dict(model.named_parameters())
     groups.check_against(named, "fg.hooks.attach")
@@ -79,6 +102,7 @@ def attach(
 
     def finalize() -> None:
         pending[0] = False
+        scale = _current_scale(scaler) if scaler is not None else None
         with torch.no_grad():
             for names in groups.values():
                 group: dict[str, Tensor] = {}
@@ -88,7 +112,11 @@ def attach(
                     if g is None:  # unused in this pass: a zero gradient
                         g = p.grad = torch.zeros_like(p)
                     group[n] = g
-                new = apply_rule(rule, group)
+                if scale is None:
+                    new = apply_rule(rule, group)
+                else:  # in the loss's own units, then scaled back
+                    true = {n: g / scale for n, g in group.items()}
+                    new = {n: v * scale for n, v in apply_rule(rule, true).items()}
                 for n, g in group.items():
                     g.copy_(new[n])
 

@@ -127,7 +127,29 @@ def _extra_key(model):
     return {**fg.params(model), "gamma": torch.ones(1)}
 
 
+def _python_if_in_a_rule():
+    model = nn.Linear(2, 1)
+
+    def rule(group):  # a host branch: not allowed in per-step code
+        return dict(group) if bool((group["weight"] == 0).all()) else dict(group)
+
+    tx = fg.chain(fg.per_group(rule, fg.group_by_module(model)), fg.adam())
+    step = fg.make_step(lambda p, x: fg.call(model, p, x).sum(), tx)
+    p = fg.params(model)
+    step(p, tx.init(p), torch.ones(1, 2))
+
+
 CASES = [
+    (
+        "fg.hooks.attach: scaler must be a torch.amp.GradScaler, got float.",
+        TypeError,
+        lambda: fg.hooks.attach(SeedModel(), rules.zero_fix(), {}, scaler=1024.0),
+    ),
+    (
+        "fg.make_step: tx.update reads a tensor's value on the host",
+        TypeError,
+        _python_if_in_a_rule,
+    ),
     (
         "fg.make_step: params['weight'] requires grad",
         ValueError,

@@ -240,3 +240,45 @@ def test_hook_errors():
         TypeError, match=re.escape("Did you pass rules.zero_fix instead of rules.zero_fix(...)?")
     ):
         fg.hooks.attach(model, fg.rules.zero_fix, fg.group_by_module(model))  # type: ignore[arg-type]
+
+
+def _amp_run(scaler_for_rule: bool, use_scaler: bool, steps: int = 5):
+    """fg.hooks.attach + torch.optim.SGD on a model whose first layer is dead (SGD, not
+    Adam: Adam's steps do not depend on a constant gradient's size, so it would hide
+    a rule applied in the wrong units)."""
+    torch.manual_seed(0)
+    model = SeedModel()
+    with torch.no_grad():
+        model.fc1.bias.fill_(-10.0)  # fc1's gradients are all zero: the rule fills 1.0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if use_scaler else None
+    handle = fg.hooks.attach(
+        model,
+        fg.rules.zero_fix(),
+        fg.group_by_module(model),
+        scaler=scaler if scaler_for_rule else None,
+    )
+    x = torch.rand(4, 1)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.mean(torch.square(5.0 - model(x).sum()))
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    handle.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_hooks_with_a_grad_scaler_apply_the_rule_in_the_loss_units():
+    want = _amp_run(scaler_for_rule=False, use_scaler=False)
+    got = _amp_run(scaler_for_rule=True, use_scaler=True)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+    # Without scaler=, the rule fills the *scaled* zeros with 1.0, which unscale_
+    # divides by 1024: the dead layer then moves by another amount.
+    naive = _amp_run(scaler_for_rule=False, use_scaler=True)
+    assert not torch.allclose(naive["fc1.bias"], want["fc1.bias"], rtol=1e-3, atol=1e-5)
