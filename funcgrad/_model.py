@@ -6,6 +6,8 @@ function ``(params, buffers, inputs) -> outputs`` through ``functional_call``.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -204,6 +206,36 @@ def call(
     # Plain Python over names: eagerly it runs every call, under torch.compile once,
     # while the step is traced (a failure there is re-run eagerly by make_step).
     check_names(model, params, "fg.call")
+    if torch.compiler.is_compiling():  # traced: no module attribute is swapped at run time
+        return _call(model, params, args, kwargs, buffers)
+    # functional_call swaps the module's attributes for the given tensors while the
+    # forward runs, so two threads in the same module at once would each run with
+    # the other's tensors (and leave plain tensors behind): forwards through one
+    # module take turns. The backward, where most of a step's time goes, does not
+    # touch the module and runs concurrently.
+    with _lock_of(model):
+        return _call(model, params, args, kwargs, buffers)
+
+
+_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock_of(model: nn.Module) -> threading.RLock:
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
+
+
+def _call(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    buffers: Mapping[str, Tensor] | None,
+) -> Any:
     tensors = dict(params)
     cumulative: list[nn.Module] = []
     if buffers is not None:

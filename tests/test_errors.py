@@ -131,7 +131,11 @@ def _python_if_in_a_rule():
     model = nn.Linear(2, 1)
 
     def rule(group):  # a host branch: not allowed in per-step code
-        return dict(group) if bool((group["weight"] == 0).all()) else dict(group)
+        return (
+            {k: 2 * t for k, t in group.items()}
+            if bool((group["weight"] == 0).all())
+            else dict(group)
+        )
 
     tx = fg.chain(fg.per_group(rule, fg.group_by_module(model)), fg.adam())
     step = fg.make_step(lambda p, x: fg.call(model, p, x).sum(), tx)

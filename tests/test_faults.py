@@ -125,3 +125,42 @@ def test_an_interrupted_step_is_all_old_or_all_new(compiled, compiled_classifier
             outcomes["new"] += 1
     # Both outcomes happened: interrupts landed inside steps, not only between them.
     assert outcomes["old"] > 0 and outcomes["new"] > 0, outcomes
+
+
+def test_two_threads_stepping_one_model_get_the_results_of_running_alone():
+    """functional_call swaps the module's attributes while the forward runs; fg.call
+    lets one thread at a time into a module, so concurrent eager steps with
+    different params equal sequential ones and the module keeps its Parameters."""
+    model = classifier()
+    step, _, _ = make(model, False, donate=False)
+    tx_init = make(model, False, donate=False)[2]
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(2)]
+    ys = [torch.randint(0, 10, (8,), generator=g) for _ in range(2)]
+    starts = [{k: v + 0.01 * i for k, v in fg.params(model).items()} for i in range(2)]
+
+    def run(i: int) -> tuple:
+        params, state = dict(starts[i]), snapshot(tx_init)
+        for _ in range(30):
+            params, state, _ = step(params, state, xs[i], ys[i])
+        return params, state
+
+    want = [run(0), run(1)]
+    got: list = [None, None]
+    errors: list = []
+
+    def worker(i: int) -> None:
+        try:
+            got[i] = run(i)
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        assert_trees_close(got[i], want[i])
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
