@@ -27,6 +27,8 @@ from ._base import apply_updates as apply_updates
 from ._base import identity as identity
 from ._base import set_to_zero as set_to_zero
 from ._base import stateless as stateless
+from ._checkpoint import load_checkpoint as load_checkpoint
+from ._checkpoint import save_checkpoint as save_checkpoint
 from ._combine import ChainState as ChainState
 from ._combine import PartitionState as PartitionState
 from ._combine import chain as chain

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device
+from ._state import invariants
 
 
 class AccumulateState(NamedTuple):
@@ -37,6 +38,9 @@ class AccumulateState(NamedTuple):
     mini_step: Tensor
     acc: dict[str, Tensor]
     inner: State
+
+
+invariants(AccumulateState, mini_step="nonnegative", acc="finite")
 
 
 def _branch(pred: Tensor, yes: Callable[..., Any], no: Callable[..., Any], args: Any) -> Any:

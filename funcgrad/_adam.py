@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, check_floating, check_state, params_device
 from ._fusion import realize
+from ._state import invariants
 from ._tree import names_mismatch
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
@@ -49,6 +50,15 @@ class AdamState(NamedTuple):
     mu: dict[str, Tensor]
     nu: dict[str, Tensor]
     nu_max: dict[str, Tensor]
+
+
+invariants(
+    AdamState,
+    count="nonnegative",
+    mu="finite",
+    nu="finite nonnegative",
+    nu_max="finite nonnegative",
+)
 
 
 def _bias_scalars(count: Tensor, lr: Tensor, b1: float, b2: float) -> Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, check_state, params_device
 from ._fusion import realize
+from ._state import invariants
 
 _M32 = 0xFFFFFFFF
 _C = 0x45D9F3B
@@ -64,6 +65,9 @@ class AddNoiseState(NamedTuple):
     """``count``: int64 0-d tensor, the number of steps taken (the noise counter)."""
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
+
+
+invariants(AddNoiseState, count="nonnegative")
 
 
 def add_noise(std: float, seed: int) -> GradientTransformation:

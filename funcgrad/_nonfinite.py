@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device
+from ._state import invariants
 from ._tree import tree_map
 
 
@@ -18,6 +19,9 @@ class SkipIfNonfiniteState(NamedTuple):
     inner: State
     skipped: Tensor
     last_finite: Tensor
+
+
+invariants(SkipIfNonfiniteState, skipped="nonnegative")
 
 
 def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:

@@ -16,12 +16,59 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State
 from ._tree import flatten, names_mismatch
 
 _PLAIN = (bool, int, float, str)
+
+_INVARIANTS: dict[type, dict[str, str]] = {}
+_CHECKS = {
+    "finite": (lambda t: torch.isfinite(t).all(), "NaN or Inf values"),
+    "nonnegative": (lambda t: (t >= 0).all(), "negative values"),
+}
+
+
+def invariants(state_type: type, **fields: str) -> None:
+    """Declare what a state's fields always satisfy, checked by :func:`load_state_dict`.
+
+    ``fields`` maps a field name to ``"finite"``, ``"nonnegative"`` or
+    ``"finite nonnegative"``, e.g. ``invariants(AdamState, count="nonnegative",
+    mu="finite", nu="finite nonnegative")``. Each module declares its own states'.
+    """
+    for name, kinds in fields.items():
+        unknown = [k for k in kinds.split() if k not in _CHECKS]
+        if unknown or name not in getattr(state_type, "_fields", ()):
+            raise ValueError(f"invariants: bad declaration {name}={kinds!r}.")
+    _INVARIANTS[state_type] = dict(fields)
+
+
+def _check_invariants(state: State) -> None:
+    accessors, leaves, _ = flatten(state)
+    for accessor, leaf in zip(accessors, leaves, strict=True):
+        if not isinstance(leaf, Tensor):
+            continue
+        # The innermost NamedTuple field on the path (e.g. AdamState.nu for nu['w']).
+        for entry in reversed(list(accessor)):
+            if optree.is_namedtuple_class(entry.type):
+                field = entry.type._fields[entry.entry]  # type: ignore[attr-defined]
+                kinds = _INVARIANTS.get(entry.type, {}).get(field, "")
+                break
+        else:
+            continue
+        for kind in kinds.split():
+            holds, broken = _CHECKS[kind]
+            if leaf.numel() and not bool(holds(leaf)):
+                raise ValueError(
+                    f"fg.load_state_dict: {accessor.codify('state')} holds {broken}, which "
+                    f"a {entry.type.__name__} never does (its {field} is {kind}). The "
+                    "checkpoint is damaged, was edited, or was saved after the run had "
+                    "already diverged; resume from an earlier checkpoint."
+                )
+
+
 _HINT = (
     " The checkpoint was made by another transformation or for another model; "
     "rebuild tx and params exactly as when it was saved."
@@ -120,9 +167,13 @@ def load_state_dict(
     and dtype and copied onto the device of ``params``. Resuming from it continues
     bit for bit (see ``tests/test_reliability.py``).
 
+    The state's invariants (declared with :func:`invariants`: finite moments,
+    non-negative second moments and counters) are checked too, so a damaged
+    checkpoint fails here instead of silently spoiling the run.
+
     Raises:
         ValueError / KeyError / TypeError: naming the paths where the checkpoint
-        and ``tx`` disagree.
+        and ``tx`` disagree, or where an invariant is broken.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -183,4 +234,6 @@ def load_state_dict(
             )
         else:
             loaded.append(want)
-    return optree.tree_unflatten(spec, loaded)
+    state = optree.tree_unflatten(spec, loaded)
+    _check_invariants(state)
+    return state

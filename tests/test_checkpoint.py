@@ -1,0 +1,207 @@
+"""fg.save_checkpoint / fg.load_checkpoint: resume bit for bit; damaged, partial or
+foreign checkpoints are clear errors that leave the live params and state intact."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SeedModel, assert_trees_close, seed_loss
+
+import funcgrad as fg
+
+
+def setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = SeedModel()
+    groups = fg.group_by_module(model)
+    tx = fg.named_chain(
+        ("rule", fg.per_group(fg.rules.zero_fix(), groups)),
+        ("adam", fg.skip_if_nonfinite(fg.adamw(lr=1e-2, amsgrad=True))),
+    )
+    step = fg.make_step(seed_loss(model), tx, donate=True)
+    params = fg.params(model)
+    return model, tx, step, params, tx.init(params)
+
+
+def batch(i: int) -> torch.Tensor:
+    return torch.rand(3, 1, generator=torch.Generator().manual_seed(i))
+
+
+def snapshot(tree):
+    return torch.utils._pytree.tree_map(lambda t: t.clone(), tree)
+
+
+def test_resume_from_a_checkpoint_is_bit_for_bit(tmp_path):
+    _, _, step, params, state = setup()
+    for i in range(6):
+        params, state, _ = step(params, state, batch(i))
+    want = snapshot((params, state))
+
+    _, _, step, params, state = setup()
+    for i in range(3):
+        params, state, _ = step(params, state, batch(i))
+    fg.save_checkpoint(tmp_path / "ckpt.fg", params, state, epoch=3, note="half way")
+    model2, tx2, step2, params2, _ = setup(seed=1)  # another initialisation
+    params2, state2, extra = fg.load_checkpoint(tmp_path / "ckpt.fg", tx2, params2)
+    assert extra == {"epoch": 3, "note": "half way"}
+    assert params2["fc1.weight"].data_ptr() == model2.fc1.weight.data_ptr()  # live module
+    for i in range(3, 6):
+        params2, state2, _ = step2(params2, state2, batch(i))
+    assert_trees_close((params2, state2), want)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A good checkpoint on disk, and a live run whose params/state differ from it."""
+    _, tx, step, params, state = setup()
+    params, state, _ = step(params, state, batch(0))
+    path = tmp_path / "ckpt.fg"
+    fg.save_checkpoint(path, params, state)
+    params, state, _ = step(params, state, batch(1))
+    return path, tx, params, state
+
+
+def _assert_refused(path, tx, params, state, exc, message):
+    before = snapshot((params, state))
+    on_disk = path.read_bytes() if path.exists() else None
+    with pytest.raises(exc, match=re.escape(message)):
+        fg.load_checkpoint(path, tx, params)
+    assert_trees_close((params, state), before)  # nothing touched
+    if on_disk is not None:
+        assert path.read_bytes() == on_disk
+
+
+def test_a_flipped_byte_is_an_error(saved):
+    path, tx, params, state = saved
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    _assert_refused(
+        path, tx, params, state, ValueError, "is damaged: its SHA-256 checksum does not match"
+    )
+
+
+def test_a_truncated_file_is_an_error(saved):
+    path, tx, params, state = saved
+    path.write_bytes(path.read_bytes()[:-100])
+    _assert_refused(
+        path, tx, params, state, ValueError, "is damaged: its SHA-256 checksum does not match"
+    )
+
+
+def test_a_file_that_is_not_a_checkpoint_is_an_error(saved, tmp_path):
+    _, tx, params, state = saved
+    other = tmp_path / "other.pt"
+    torch.save({"w": torch.ones(1)}, other)
+    _assert_refused(
+        other, tx, params, state, ValueError, "is not a checkpoint written by fg.save_checkpoint"
+    )
+
+
+def test_a_checkpoint_of_another_transformation_is_an_error(saved):
+    path, _, params, state = saved
+    other_tx = fg.chain(fg.adam())
+    _assert_refused(
+        path,
+        other_tx,
+        params,
+        state,
+        TypeError,
+        "fg.load_state_dict: state should be a ChainState, found dict",
+    )
+
+
+def test_a_checkpoint_of_another_model_is_an_error(saved):
+    path, tx, params, state = saved
+    bigger = dict(params)
+    bigger["fc4.weight"] = torch.zeros(1, 1)
+    _assert_refused(
+        path,
+        tx,
+        bigger,
+        state,
+        KeyError,
+        "fg.load_checkpoint: the checkpoint's parameters are not these: it has missing ['fc4.weight']",
+    )
+
+
+def test_extras_that_cannot_be_loaded_safely_are_refused_at_save(tmp_path):
+    _, _, _, params, state = setup()
+    with pytest.raises(
+        TypeError, match=re.escape("fg.save_checkpoint: extra values must be numbers")
+    ):
+        fg.save_checkpoint(tmp_path / "x.fg", params, state, model=SeedModel())
+    assert not list(tmp_path.iterdir())  # nothing written, no temporary file left
+
+
+SAVER = """
+import sys, torch, funcgrad as fg
+path, n = sys.argv[1], int(sys.argv[2])
+params = {"w": torch.zeros(n)}
+state = fg.adam().init(params)
+print("ready", flush=True)
+i = 0
+while True:
+    i += 1
+    fg.save_checkpoint(path, {"w": torch.full((n,), float(i))}, state, i=i)
+"""
+
+
+def test_a_save_killed_midway_keeps_a_whole_checkpoint(tmp_path):
+    """A process saving 40 MB checkpoints in a loop, killed at random moments: the
+    file at the path always loads, with matching params and extra."""
+    path = tmp_path / "ckpt.fg"
+    tx = fg.adam()
+    n = 10_000_000
+    fg.save_checkpoint(path, {"w": torch.zeros(n)}, tx.init({"w": torch.zeros(n)}), i=0)
+    loaded_i = []
+    for trial in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(path), str(n)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3 + 0.37 * trial)
+        proc.kill()  # SIGKILL: no cleanup, possibly mid-write
+        proc.wait()
+        params = {"w": torch.empty(n)}
+        params, _, extra = fg.load_checkpoint(path, tx, params)
+        assert torch.all(params["w"] == float(extra["i"]))
+        loaded_i.append(extra["i"])
+    assert max(loaded_i) > 0  # saves did complete between kills
+    leftovers = [p for p in Path(tmp_path).iterdir() if p.name != "ckpt.fg"]
+    assert all(p.suffix == ".tmp" for p in leftovers)
+    assert leftovers  # at least one kill landed mid-write (its temporary file stays)
+
+
+def _adam_sd(**broken):
+    params = {"w": torch.zeros(2)}
+    sd = fg.state_dict(fg.adam().init(params))
+    for key, value in broken.items():
+        if key == "count":
+            sd["count"] = value
+        else:
+            sd[key]["w"] = value
+    return params, sd
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (
+            {"mu": torch.tensor([0.0, float("nan")])},
+            "state.mu['w'] holds NaN or Inf values, which a AdamState never does",
+        ),
+        ({"nu": torch.tensor([0.0, -1.0])}, "state.nu['w'] holds negative values"),
+        ({"count": torch.tensor(-3)}, "state.count holds negative values"),
+    ],
+)
+def test_load_state_dict_checks_the_invariants(broken, message):
+    params, sd = _adam_sd(**broken)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fg.load_state_dict(fg.adam(), params, sd)
