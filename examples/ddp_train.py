@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,20 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128, help="global batch size")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a rank waits for the others in a collective before it fails "
+        "(torch's default is 30 minutes: a stalled rank would hang the rest that long)",
+    )
     args = ap.parse_args(argv)
+    if args.timeout <= 0:
+        ap.error(f"--timeout must be > 0 seconds, got {args.timeout}")
 
     distributed = "RANK" in os.environ  # set by torchrun
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         torch.set_num_threads(1)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1

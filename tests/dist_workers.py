@@ -65,13 +65,15 @@ def train(model, tx, step, x, y) -> dict[str, torch.Tensor]:
 
 def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=5 if mode == "raise" else 60)
+    timeout = timedelta(seconds=5 if mode in ("raise", "stall") else 60)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
     )
     try:
         if mode == "raise" and rank == 1:
             raise RuntimeError("rank 1 failed on purpose")
+        if mode == "stall" and rank == 1:
+            time.sleep(3600)  # alive but never reaches the collective
         model, x, y = model_and_data()
         shard = slice(rank * 4, rank * 4 + 4)
         counters.clear()

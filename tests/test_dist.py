@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -52,6 +54,17 @@ def test_a_failing_rank_does_not_hang(tmp_path):
     ):
         run_ranks("raise", tmp_path, deadline_s=60)
     assert not mp.active_children()  # rank 0 was stopped, not left waiting
+
+
+def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path):
+    """Rank 1 stays alive but never reaches the collective. With the process group's
+    timeout (5 s here), rank 0's all-reduce fails with gloo's timeout message
+    instead of waiting forever (the default timeout is 30 minutes)."""
+    t0 = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=r"[Tt]imed out|[Tt]imeout"):
+        run_ranks("stall", tmp_path, deadline_s=90)
+    assert time.monotonic() - t0 < 60
+    assert not mp.active_children()
 
 
 def test_all_reduce_mean_outside_a_process_group():
