@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from _cli import check_out_dir
 from hook_answer import attach_hook_answer
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -238,15 +239,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown --device {args.device!r} ({err}); use cpu, cuda or cuda:N")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device} asked for, but this torch build sees no CUDA GPU")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        probe = args.out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        ap.error(
-            f"cannot write to --out {str(args.out)!r}: {err.strerror}. Pick a writable directory."
-        )
+    check_out_dir(ap, args.out)
     return args
 
 

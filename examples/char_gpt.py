@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from _cli import check_out_dir
 from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
@@ -122,12 +123,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--block must be >= 2 and --dim a multiple of --heads")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / ".write_test").write_text("")
-        (args.out / ".write_test").unlink()
-    except OSError as err:
-        ap.error(f"cannot write to --out {str(args.out)!r}: {err.strerror}")
+    check_out_dir(ap, args.out)
     return args
 
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _cli import check_out_dir
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -226,12 +227,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--epochs and --width must be >= 1")
     if not 2 <= args.batch <= 1000:
         ap.error(f"--batch must be in [2, 1000] (BatchNorm needs two samples), got {args.batch}")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / ".write_test").write_text("")
-        (args.out / ".write_test").unlink()
-    except OSError as err:
-        ap.error(f"cannot write to --out {str(args.out)!r}: {err.strerror}")
+    check_out_dir(ap, args.out)
     return args
 
 

@@ -65,16 +65,22 @@ def _close(name: str, known: set[str]) -> str:
     return f" (did you mean '{near[0]}'?)" if near else ""
 
 
-def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
-    """Unknown names and missing trainable names are errors, never silently ignored."""
-    every, trainable = _all_param_names(model)
-    unknown = [n for n in given if n not in every]
+def _reject_unknown(
+    model: nn.Module, given: Mapping[str, Any], known: set[str], what: str, kind: str, fix: str
+) -> None:
+    unknown = [n for n in given if n not in known]
     if unknown:
         n = unknown[0]
         raise KeyError(
-            f"{what}: '{n}' is not a parameter of {type(model).__name__}{_close(n, every)}. "
-            f"Unknown names: {sorted(unknown)}. Use the keys of fg.params(model)."
+            f"{what}: '{n}' is not a {kind} of {type(model).__name__}{_close(n, known)}. "
+            f"Unknown {kind} names: {sorted(unknown)}. {fix}"
         )
+
+
+def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
+    """Unknown names and missing trainable names are errors, never silently ignored."""
+    every, trainable = _all_param_names(model)
+    _reject_unknown(model, given, every, what, "parameter", "Use the keys of fg.params(model).")
     missing = sorted(trainable - given.keys())
     if missing:
         raise KeyError(
@@ -87,13 +93,7 @@ def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
 def check_buffer_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
     """Buffers passed explicitly must be exactly the model's (as ``fg.buffers(model)``)."""
     known = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    unknown = [n for n in given if n not in known]
-    if unknown:
-        n = unknown[0]
-        raise KeyError(
-            f"{what}: '{n}' is not a buffer of {type(model).__name__}{_close(n, known)}. "
-            f"Unknown buffer names: {sorted(unknown)}. Pass fg.buffers(model)."
-        )
+    _reject_unknown(model, given, known, what, "buffer", "Pass fg.buffers(model).")
     missing = sorted({n for n, _ in model.named_buffers()} - given.keys())
     if missing:
         raise KeyError(

@@ -52,8 +52,22 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     return pytree.tree_map(fn, tree, *rest)
 
 
+def _copy(dst: Tensor, src: Tensor) -> Tensor:
+    if dst.dim() == 0:
+        # torch 2.13: under torch.compile (aot_eager and inductor) an in-place write
+        # into a 0-d float64 graph input is silently dropped (float32, float16 and
+        # int64 are kept); written through a 1-element view it is kept.
+        return dst.view(1).copy_(src.reshape(1))
+    return dst.copy_(src)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """``dst.copy_(src)`` leaf by leaf (dict entries matched by key); traceable."""
+    pytree.tree_map(_copy, dst, src)
+
+
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
+def sigint_held() -> Iterator[None]:
     """Hold back SIGINT (Ctrl-C) until the block is done, then deliver it.
 
     Only the main thread receives signals in Python, and only it may set handlers;
@@ -84,7 +98,7 @@ def commit(dst: Any, src: Any) -> None:
     pairs = [(d, s) for d, s in pairs if d is not s]
     if not pairs:
         return
-    with _sigint_held(), torch.no_grad():
+    with sigint_held(), torch.no_grad():
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 

@@ -157,15 +157,18 @@ def test_compiled_donated_step_with_buffers_equals_eager_torch(compiled_resnet_r
     torch.testing.assert_close(model.eval()(x), ref.eval()(x), rtol=1e-9, atol=1e-9)
 
 
-def test_step_without_buffers_explains_the_fix_eager_and_compiled():
+def _without_buffers():
+    """A train-mode ResNet, a loss that does not pass buffers, Adam, one input."""
     model = make_model()
-    tx = fg.adam()
 
     def loss_fn(p, x):
         return fg.call(model, p, x).sum()
 
-    params = fg.params(model)
-    x = batches(1)[0][0]
+    return loss_fn, fg.adam(), fg.params(model), batches(1)[0][0]
+
+
+def test_step_without_buffers_explains_the_fix_eager_and_compiled():
+    loss_fn, tx, params, x = _without_buffers()
     for compile in (False, {"backend": "aot_eager"}):
         torch._dynamo.reset()
         step = fg.make_step(loss_fn, tx, compile=compile)
@@ -176,14 +179,7 @@ def test_step_without_buffers_explains_the_fix_eager_and_compiled():
 
 
 def test_per_sample_gradients_with_train_mode_batchnorm_are_refused():
-    model = make_model()
-    tx = fg.adam()
-
-    def loss_fn(p, x):
-        return fg.call(model, p, x).sum()
-
-    params = fg.params(model)
-    x = batches(1)[0][0]
+    loss_fn, tx, params, x = _without_buffers()
     step = fg.make_step(loss_fn, tx, per_sample=fg.clip_by_global_norm(1.0))
     with pytest.raises(
         RuntimeError, match=re.escape("BatchNorm in train mode: batch statistics mix the samples")

@@ -175,8 +175,30 @@ def test_a_save_killed_midway_keeps_a_whole_checkpoint(tmp_path):
         loaded_i.append(extra["i"])
     assert max(loaded_i) > 0  # saves did complete between kills
     leftovers = [p for p in Path(tmp_path).iterdir() if p.name != "ckpt.fg"]
-    assert all(p.suffix == ".tmp" for p in leftovers)
-    assert leftovers  # at least one kill landed mid-write (its temporary file stays)
+    assert all(p.suffix == ".tmp" for p in leftovers)  # a kill mid-write leaves only these
+
+
+def test_a_save_interrupted_after_writing_keeps_the_previous_file(tmp_path, monkeypatch):
+    """Deterministic twin of the kill test: the save is interrupted after the new
+    bytes are written but before the rename; the old checkpoint stays, whole."""
+    import os
+
+    path = tmp_path / "ckpt.fg"
+    tx = fg.adam()
+    fg.save_checkpoint(path, {"w": torch.zeros(3)}, tx.init({"w": torch.zeros(3)}), i=1)
+    before = path.read_bytes()
+
+    def crash(fd):
+        raise KeyboardInterrupt  # as if the process were stopped here
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(KeyboardInterrupt):
+        fg.save_checkpoint(path, {"w": torch.ones(3)}, tx.init({"w": torch.ones(3)}), i=2)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.fg"]  # the temporary file removed
+    params, _, extra = fg.load_checkpoint(path, tx, {"w": torch.empty(3)})
+    assert extra == {"i": 1} and torch.equal(params["w"], torch.zeros(3))
 
 
 def _adam_sd(**broken):
