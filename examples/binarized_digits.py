@@ -171,6 +171,13 @@ def train(kind: str, args, data, init_state) -> dict:
         "all_zero_frac": {g: sum(a for a, _ in v) / len(v) for g, v in zeros.items() if v},
         "zero_frac": {g: sum(z for _, z in v) / len(v) for g, v in zeros.items() if v},
         "zero_curve": {g: [z for _, z in v] for g, v in zeros.items()},
+        # Latent weights below -1 get a zero gradient from the STE and (with the rule)
+        # +0.5, which Adam turns into a step further down: they stay dead.
+        "latent_below_minus_1": {
+            n: float((m.weight < -1).float().mean())
+            for n, m in model.named_children()
+            if isinstance(m, BinaryLinear)
+        },
     }
 
 
@@ -254,6 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
     png = args.out / "binarized_digits.png"
     plot(results, png)
     summary = [{k: v for k, v in r.items() if k not in ("losses", "zero_curve")} for r in results]
+    for r in results:
+        below = ", ".join(f"{n} {f:.2f}" for n, f in r["latent_below_minus_1"].items())
+        print(f"{r['kind']:10s} fraction of latent weights below -1 at the end: {below}")
     js = args.out / "binarized_digits.json"
     js.write_text(json.dumps(summary, indent=2))
     print(f"\nfigure: {png.resolve()}\ntable as JSON: {js.resolve()}")
