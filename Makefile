@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,examples]"
 	touch $(STAMP)
 
+# torch.compile's on-disk caches (FX graph + AOTAutograd, on by default in torch 2.13)
+# kept beside the venv, so they survive a reboot: the demo's second run starts warm.
+COMPILE_CACHE ?= $(abspath $(VENV))/compile-cache
+
 demo: $(STAMP)
-	$(PY) examples/binarized_digits.py
+	TORCHINDUCTOR_CACHE_DIR=$(COMPILE_CACHE) $(PY) examples/binarized_digits.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check funcgrad tests examples benchmarks
