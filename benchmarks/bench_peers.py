@@ -1,0 +1,210 @@
+"""funcgrad against JAX + optax on the same step, side by side in one run.
+
+The step: MLP 256-512-512-512-10, batch 64, cross-entropy, the seed's rule per layer
+(all-zero layer -> 1.0, zero entries -> 0.5), Adam(1e-3). In JAX the rule is written
+with ``jnp.where`` and the step is ``jax.jit`` with donated params and state; in
+funcgrad it is ``fg.make_step(compile=True, donate=True)``. Before timing, both run
+three steps from the same weights and data and must agree (float64, 1e-9); the
+timing runs in float32.
+
+Reported: step time (interleaved medians, ratio funcgrad / JAX), and each one's first
+call (JAX's jit compile; funcgrad's compile, measured in a fresh process with
+torch's caches disabled, and with them warm).
+
+Needs the optional extra: ``pip install -e ".[bench]"`` (jax, optax). Without it the
+script says so and exits 0. Opacus (per-sample clipping) is not compared here yet.
+
+Run: python benchmarks/bench_peers.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import funcgrad as fg
+
+SIZES = (256, 512, 512, 512, 10)
+
+
+def torch_mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
+        layers.append(nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers).to(dtype)
+
+
+def data(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 256, generator=g, dtype=torch.float64).to(dtype)
+    return x, torch.randint(0, 10, (64,), generator=g)
+
+
+def funcgrad_step(model: nn.Module):
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam(1e-3))
+    params = fg.params(model)
+    state = tx.init(params)
+
+    def loss_fn(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    step = fg.make_step(loss_fn, tx, compile=True, donate=True)
+    return step, params, state
+
+
+def jax_step(model: nn.Module):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    params = [
+        (jnp.asarray(m.weight.detach().numpy().T), jnp.asarray(m.bias.detach().numpy()))
+        for m in linears
+    ]
+
+    def loss_fn(params, x, y):
+        h = x
+        for i, (w, b) in enumerate(params):
+            h = h @ w + b
+            if i < len(params) - 1:
+                h = jax.nn.relu(h)
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    def rule(layer):  # the seed's rule on one layer's (weight, bias)
+        dead = jnp.all(jnp.stack([jnp.all(g == 0) for g in layer]))
+        value = jnp.where(dead, 1.0, 0.5)
+        return tuple(jnp.where(g == 0, value.astype(g.dtype), g) for g in layer)
+
+    opt = optax.adam(1e-3)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        grads = [rule(layer) for layer in grads]
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, opt.init(params)
+
+
+def check_same_update() -> float:
+    """Three steps each from the same weights and data, in float64 (in float32 the two
+    libraries' different summation orders flip the sign of near-zero gradients, which
+    Adam turns into full steps): largest relative difference."""
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_enable_x64", True)
+    model = torch_mlp(torch.float64)
+    fstep, fparams, fstate = funcgrad_step(model)
+    jstep, jparams, jstate = jax_step(torch_mlp(torch.float64))
+    for i in range(3):
+        x, y = data(i, torch.float64)
+        fparams, fstate, _ = fstep(fparams, fstate, x, y)
+        jparams, jstate, _ = jstep(jparams, jstate, x.numpy(), y.numpy())
+    worst = 0.0
+    linears = [k for k in fparams if k.endswith(".weight")]
+    for k, (jw, jb) in zip(linears, jparams, strict=True):
+        for ours, theirs in (
+            (fparams[k].numpy().T, np.asarray(jw)),
+            (fparams[k.replace("weight", "bias")].numpy(), np.asarray(jb)),
+        ):
+            worst = max(worst, float(np.abs(ours - theirs).max() / np.abs(theirs).max()))
+    jax.config.update("jax_enable_x64", False)
+    return worst
+
+
+def first_call_child() -> None:
+    step, params, state = funcgrad_step(torch_mlp())
+    x, y = data()
+    t = time.perf_counter()
+    step(params, state, x, y)
+    print(json.dumps({"first_call_s": time.perf_counter() - t}))
+
+
+def funcgrad_first_call(env: dict[str, str]) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child"],
+        capture_output=True, text=True, check=True, env={**os.environ, **env},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])["first_call_s"]
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        return first_call_child()
+    try:
+        import jax
+        import optax  # noqa: F401
+    except ImportError:
+        print('bench_peers: jax and optax are not installed; pip install -e ".[bench]". Skipped.')
+        return
+    import tempfile
+
+    diff = check_same_update()
+    print(f"same update: largest relative difference after 3 steps {diff:.1e} (must be < 1e-9)")
+    if not diff < 1e-9:
+        raise SystemExit("funcgrad and JAX + optax disagree: not timing different things")
+
+    fstep, fparams, fstate = funcgrad_step(torch_mlp())
+    jstep, jparams, jstate = jax_step(torch_mlp())
+    x, y = data()
+    xj, yj = x.numpy(), y.numpy()
+    t = time.perf_counter()
+    jparams, jstate, loss = jstep(jparams, jstate, xj, yj)
+    loss.block_until_ready()
+    jax_first = time.perf_counter() - t
+    fstep(fparams, fstate, x, y)
+
+    state = {"j": (jparams, jstate)}
+
+    def run_jax() -> None:
+        p, s, loss = jstep(*state["j"], xj, yj)
+        loss.block_until_ready()
+        state["j"] = (p, s)
+
+    fns = {"funcgrad": lambda: fstep(fparams, fstate, x, y), "jax+optax": run_jax}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        for _ in range(5):
+            f()
+    for _ in range(9):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(20):
+                f()
+            times[k].append((time.perf_counter() - t) / 20)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    with tempfile.TemporaryDirectory() as cache:
+        cold = funcgrad_first_call({"TORCHINDUCTOR_CACHE_DIR": cache})
+        warm = funcgrad_first_call({"TORCHINDUCTOR_CACHE_DIR": cache})
+    lines = [
+        f"torch {torch.__version__}, jax {jax.__version__}, {torch.get_num_threads()} threads",
+        f"step (median of 9x20): funcgrad {med['funcgrad'] * 1e3:.3f} ms, "
+        f"jax+optax {med['jax+optax'] * 1e3:.3f} ms, "
+        f"ratio funcgrad / jax {med['funcgrad'] / med['jax+optax']:.2f}",
+        f"first call: jax jit {jax_first:.1f} s; funcgrad cold {cold:.1f} s "
+        f"({cold / jax_first:.1f}x jax), warm caches {warm:.1f} s ({warm / jax_first:.1f}x jax)",
+    ]
+    print("\n".join(lines))
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    result = {"step_s": med, "jax_first_s": jax_first, "fg_first_cold_s": cold}
+    result |= {"fg_first_warm_s": warm, "same_update_rel_diff": diff}
+    (out / "bench_peers.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
