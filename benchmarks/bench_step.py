@@ -18,6 +18,10 @@ Update-heavy (about 32M parameters in 8 layers, 30% zero gradients, loss sum(p *
   fused         loss.backward() + torch.optim.Adam(fused=True), no rule at all
   foreach+rule  loss.backward() + the correct eager rule + torch.optim.Adam(foreach=True)
 
+Tiny GPT (examples/char_gpt.py's model, 2 blocks, dim 128, 64 tokens x 16, dropout 0):
+  fg-comp               funcgrad compiled + donated, per-block rule + AdamW
+  torch.compile+fused   torch.compile of the model, backward, AdamW(fused=True), no rule
+
 Gradient accumulation on the same model (fg.accumulate around the rule and Adam):
   acc-mid       a non-final micro-step (tx does not run), against fg-comp
   acc-4         the mean cost per micro-step with every=4
@@ -206,6 +210,55 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
     return torch_step
 
 
+def gpt_variants(dim: int = 128, layers: int = 2) -> tuple[dict[str, Callable[[], object]], dict]:
+    """The tiny GPT of examples/char_gpt.py (tied embeddings, causal SDPA, dropout off
+    for a deterministic comparison): funcgrad's compiled, donated step (per-block zero
+    rule + AdamW) against torch.compile of the model's forward + backward and
+    torch.optim.AdamW(fused=True) (no rule). First calls (compilation) timed too."""
+    from char_gpt import CharGPT
+
+    vocab, block, batch = 64, 64, 16
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return CharGPT(vocab, block, dim, layers, 4, dropout=0.0)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, block), generator=g)
+    y = torch.randint(0, vocab, (batch, block), generator=g)
+
+    def ce(logits: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+
+    m_fg = make()
+    groups = fg.group_by_module(m_fg, depth=2)
+    tx = fg.chain(fg.per_group(RULE, groups), fg.adamw(lr=1e-3))
+    params = fg.params(m_fg)
+    state = tx.init(params)
+    step = fg.make_step(lambda p, x: ce(fg.call(m_fg, p, x)), tx, compile=True, donate=True)
+    t = time.perf_counter()
+    step(params, state, x)
+    first = {"fg-comp": time.perf_counter() - t}
+
+    m_t = make()
+    opt = torch.optim.AdamW(m_t.parameters(), lr=1e-3, fused=True)
+    fwd = torch.compile(m_t)
+
+    def torch_step() -> None:
+        opt.zero_grad()
+        ce(fwd(x)).backward()
+        opt.step()
+
+    t = time.perf_counter()
+    torch_step()
+    first["torch.compile+fused"] = time.perf_counter() - t
+    fns = {
+        "fg-comp": lambda: step(params, state, x),
+        "torch.compile+fused": torch_step,
+    }
+    return fns, first
+
+
 UPDATE_VARIANTS = ("fg-comp", "fg-ingraph", "fused", "foreach+rule")
 
 
@@ -300,6 +353,14 @@ def main() -> None:
         results[name]["overhead_vs_fwd_bwd"] = over
         lines.append(f"  overhead: (d) / compiled fwd+bwd = {over:.2f}x (target <= 1.15)")
         lines.append(f"  (d) / (a) = {t['(d) fg-comp'] / t['(a) hook']:.2f}x (target <= 0.6)")
+
+    fns, first = gpt_variants()
+    t = interleaved(fns, repeats, max(2, number // 4))
+    results["gpt"] = {"seconds": t, "first_call_s": first}
+    lines.append("\ntiny GPT (2 blocks, dim 128, 64 tokens x 16; examples/char_gpt.py's model)")
+    for k, v in t.items():
+        ratio = v / t["torch.compile+fused"]
+        lines.append(f"  {k:20s} {v * 1e3:8.2f} ms   {ratio:5.2f}x   first call {first[k]:6.1f} s")
 
     fns = {v: update_heavy_setup(v, layers, width) for v in UPDATE_VARIANTS}
     t = interleaved(fns, max(3, repeats // 2), 3)
