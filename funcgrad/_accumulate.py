@@ -13,8 +13,8 @@ unused branch, but in torch 2.13 its branches may neither return nor write their
 inputs ("Higher order ops do not support aliasing / input mutation"), so the
 non-final branch must copy the inner state, and those copies cost more than the
 update they save: on the 33.6M-parameter update-heavy benchmark a non-final
-micro-step took 3.4x a plain compiled step with ``torch.cond`` and 1.26x with
-``torch.where`` (``benchmarks/bench_step.py``; the update there is memory-bound, so
+micro-step took 3.4x a plain compiled step with ``torch.cond`` and 1.16–1.65x (over
+runs) with ``torch.where`` (``benchmarks/bench_step.py``; the update there is memory-bound, so
 what counts is bytes moved, not Adam's arithmetic).
 """
 
@@ -105,13 +105,13 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
                 f"fg.accumulate.update: the state was made for parameters "
                 f"{sorted(state.acc)}, but the gradients are for {sorted(grads)}."
             )
+        if every == 1:  # the mean of one gradient is that gradient
+            updates, inner = tx.update(grads, state.inner, params)
+            return updates, AccumulateState(state.mini_step, state.acc, inner)
         n = state.mini_step + 1
         # The running mean: exact on the first micro-step (acc is 0 there), and no
         # sum of k gradients that could overflow in half precision.
         acc = {k: a + (grads[k] - a) / n for k, a in state.acc.items()}
-        if every == 1:
-            updates, inner = tx.update(acc, state.inner, params)
-            return updates, AccumulateState(state.mini_step, state.acc, inner)
         done = n == every
         updates, inner = _branch(done, final, middle, (acc, state.inner, params))
         new_acc = {k: torch.where(done, 0.0, a) for k, a in acc.items()}

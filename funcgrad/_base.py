@@ -122,6 +122,11 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
     return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
 
 
+def describe(x: object) -> str:
+    """``"(2, 3) torch.float32"`` for a tensor, else the type's name (for messages)."""
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+
+
 def check_state(state: State, cls: type, who: str) -> None:
     """Raise a clear error unless ``state`` is the ``cls`` that ``who``'s init makes."""
     if not isinstance(state, cls):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State, check_floating
+from ._base import GradientTransformation, Params, State, check_floating, describe
 from ._state import load_state_dict, state_dict
 from ._tree import commit, names_mismatch
 
@@ -146,10 +146,9 @@ def load_checkpoint(
     for k, live in params.items():
         s = saved[k]
         if not isinstance(s, Tensor) or s.shape != live.shape or s.dtype != live.dtype:
-            desc = f"{tuple(s.shape)} {s.dtype}" if isinstance(s, Tensor) else type(s).__name__
             raise ValueError(
-                f"{who}: parameter '{k}' is {desc} in the checkpoint and "
-                f"{tuple(live.shape)} {live.dtype} here. Was it saved for another model?"
+                f"{who}: parameter '{k}' is {describe(s)} in the checkpoint and "
+                f"{describe(live)} here. Was it saved for another model?"
             )
     state = load_state_dict(tx, params, payload["state"])
     commit(params, {k: saved[k].to(params[k].device) for k in params})

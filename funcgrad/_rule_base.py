@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from ._base import describe
+
 Group = Mapping[str, Tensor]
 
 
@@ -132,9 +134,8 @@ def apply_rule(rule: Callable[..., Mapping[str, Tensor]], group: Group) -> dict[
     for k, t in group.items():
         u = after[k]
         if not isinstance(u, Tensor) or u.shape != t.shape or u.dtype != t.dtype:
-            desc = f"{tuple(u.shape)} {u.dtype}" if isinstance(u, Tensor) else type(u).__name__
             raise ValueError(
-                f"Rule {rule!r} changed '{k}' from {tuple(t.shape)} {t.dtype} to {desc}. "
+                f"Rule {rule!r} changed '{k}' from {describe(t)} to {describe(u)}. "
                 "Rules must keep each gradient's shape and dtype; cast with "
                 ".to(t.dtype) or use torch.full_like / torch.where."
             )
