@@ -52,6 +52,8 @@ from ._schedules import cosine_decay as cosine_decay
 from ._schedules import join_schedules as join_schedules
 from ._schedules import linear_schedule as linear_schedule
 from ._schedules import warmup_cosine_decay as warmup_cosine_decay
+from ._shard import ShardedState as ShardedState
+from ._shard import sharded as sharded
 from ._state import load_state_dict as load_state_dict
 from ._state import state_dict as state_dict
 from ._step import make_step as make_step

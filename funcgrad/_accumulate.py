@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State, check_state, params_device
+from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
 from ._state import invariants
 
 
@@ -117,4 +117,4 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
         new_acc = {k: torch.where(done, 0.0, a) for k, a in acc.items()}
         return updates, AccumulateState(torch.where(done, 0, n), new_acc, inner)
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update), tx)

@@ -27,7 +27,14 @@ from typing import NamedTuple, Union
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, check_floating, check_state, params_device
+from ._base import (
+    GradientTransformation,
+    Params,
+    check_floating,
+    check_state,
+    params_device,
+    shardable,
+)
 from ._fusion import realize
 from ._state import invariants
 from ._tree import names_mismatch
@@ -248,7 +255,7 @@ def _adam(
             updates[k] = u
         return updates, AdamState(count, mu, nu, nu_max)
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update))
 
 
 def adam(

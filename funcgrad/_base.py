@@ -8,6 +8,7 @@ caller adds the final updates to the parameters with :func:`apply_updates`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -88,7 +89,7 @@ def identity() -> GradientTransformation:
         >>> fg.identity().update({"w": torch.ones(1)}, fg.EmptyState())[0]
         {'w': tensor([1.])}
     """
-    return stateless(lambda grads, params: grads)
+    return shardable(stateless(lambda grads, params: grads))
 
 
 def set_to_zero() -> GradientTransformation:
@@ -99,7 +100,40 @@ def set_to_zero() -> GradientTransformation:
         >>> fg.set_to_zero().update({"w": torch.ones(2)}, fg.EmptyState())[0]
         {'w': tensor([0., 0.])}
     """
-    return stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()})
+    return shardable(
+        stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()})
+    )
+
+
+_SHARDABLE: weakref.WeakSet[Any] = weakref.WeakSet()
+_AVERAGES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
+    """Declare that ``tx`` may run on row shards under :func:`funcgrad.sharded`, if all
+    of ``parts`` (the transformations it wraps) may.
+
+    A transformation may when each output entry depends only on the same entry of
+    the gradients, parameters and its own state, and on per-group statistics taken
+    through ``funcgrad._rule_base`` (which combine across ranks). Returns ``tx``.
+    """
+    if all(is_shardable(p) for p in parts):
+        _SHARDABLE.add(tx.update)
+    if any(averages_over_ranks(p) for p in parts):
+        _AVERAGES.add(tx.update)
+    return tx
+
+
+def is_shardable(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` was declared with :func:`shardable`."""
+    return tx.update in _SHARDABLE
+
+
+def averages_over_ranks(tx: GradientTransformation, mark: bool = False) -> bool:
+    """Whether ``tx`` is or contains ``fg.all_reduce_mean`` (``mark=True`` declares it)."""
+    if mark:
+        _AVERAGES.add(tx.update)
+    return tx.update in _AVERAGES
 
 
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State
+from ._base import GradientTransformation, Params, State, shardable
 from ._tree import names_mismatch
 
 
@@ -78,7 +78,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         grads, new_states = _run_in_order(transforms, grads, state.inner_states, params)
         return grads, ChainState(tuple(new_states))
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update), *transforms)
 
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -124,7 +124,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
         grads, new = _run_in_order(transforms, grads, [state[n] for n in names], params)
         return grads, dict(zip(names, new, strict=True))
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update), *transforms)
 
 
 class PartitionState(NamedTuple):
@@ -204,4 +204,4 @@ def partition(
         # Keep the caller's key order (dict order matters for pytree flattening).
         return {n: out[n] for n in grads}, PartitionState(new_states)
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update), *transforms.values())

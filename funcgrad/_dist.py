@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._base import EmptyState, GradientTransformation, Params, State
+from ._base import EmptyState, GradientTransformation, Params, State, averages_over_ranks
 
 
 def _check_initialized(noop: bool) -> bool:
@@ -81,4 +81,6 @@ def all_reduce_mean(
             return grads, state
         return reduce(grads), state
 
-    return GradientTransformation(init, update)
+    tx = GradientTransformation(init, update)
+    averages_over_ranks(tx, mark=True)
+    return tx

@@ -7,7 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State, check_state, params_device
+from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
+from ._rule_base import any_of
 from ._state import invariants
 from ._tree import tree_map
 
@@ -56,8 +57,8 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
         grads: Params, state: SkipIfNonfiniteState, params: Params | None = None
     ) -> tuple[Params, SkipIfNonfiniteState]:
         check_state(state, SkipIfNonfiniteState, "fg.skip_if_nonfinite")
-        flags = [torch.isfinite(g).all() for g in grads.values()]
-        ok = torch.stack(flags).all() if flags else torch.ones_like(state.last_finite)
+        flags = [torch.isfinite(g).logical_not().any() for g in grads.values()]
+        ok = ~any_of(flags) if flags else torch.ones_like(state.last_finite)
         updates, inner = tx.update(grads, state.inner, params)
         updates = {k: torch.where(ok, u, torch.zeros_like(u)) for k, u in updates.items()}
         return updates, SkipIfNonfiniteState(
@@ -66,4 +67,4 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
             ok,
         )
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update), tx)

@@ -6,6 +6,16 @@ dtypes; a *condition* maps a group to a 0-d bool tensor. :class:`Rule` and
 conditions): any callable is a rule. :func:`apply_rule` is the one place that calls
 a rule and checks what it returned (``fg.per_group``, ``fg.rules.when`` and
 ``fg.hooks.attach`` all go through it).
+
+Under :func:`funcgrad.sharded` a rule sees only this rank's rows of each gradient.
+Every group statistic is therefore taken through the helpers here (:func:`any_of`,
+:func:`zero_count`, :func:`group_norm`, :func:`group_size`): each computes the
+partial statistic of the local rows and, while ``fg.sharded`` runs ``tx``, combines
+the partials across ranks with one small collective (``any`` as a max, counts and
+squared norms as sums, sizes from the global shapes). A rule or condition built only
+from elementwise ops and these statistics is *shard-safe*: ``Rule(fn, name,
+shard_safe=True)``. Any other callable is applied by ``fg.per_group`` to the whole
+group, gathered from all ranks (correct, at the price of that group's all-gather).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -20,6 +31,32 @@ from torch import Tensor
 from ._base import describe
 
 Group = Mapping[str, Tensor]
+
+
+class Shards(Protocol):
+    """How ``fg.sharded`` combines partial statistics (see the module docstring)."""
+
+    def any(self, flag: Tensor) -> Tensor: ...
+    def sum(self, partial: Tensor) -> Tensor: ...
+    def numel(self, name: str) -> int: ...
+    def on_whole(
+        self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Group
+    ) -> dict[str, Tensor]: ...
+
+
+_ACTIVE: list[Shards | None] = []
+"""The innermost entry is in force: ``fg.sharded`` pushes its ranks while ``tx`` runs
+on shards, ``fg.per_group`` pushes ``None`` while a rule runs on a gathered group."""
+
+
+def shards() -> Shards | None:
+    """The ranks over which statistics combine now, or ``None`` (one process)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def is_shard_safe(fn: object) -> bool:
+    """Whether ``fn`` was built as shard-safe (a :class:`Rule` or :class:`Condition`)."""
+    return getattr(fn, "shard_safe", False) is True
 
 
 class Condition:
@@ -35,9 +72,14 @@ class Condition:
         tensor(True)
     """
 
-    def __init__(self, fn: Callable[[Group], Tensor], name: str) -> None:
+    def __init__(
+        self, fn: Callable[[Group], Tensor], name: str, *, shard_safe: bool = False
+    ) -> None:
         self._fn = fn
         self._name = name
+        self.shard_safe = shard_safe
+        """True if ``fn`` reads the group only through funcgrad's statistics (then
+        ``fg.sharded`` evaluates it on each rank's rows; see the module docstring)."""
 
     def __call__(self, group: Group) -> Tensor:
         return self._fn(group)
@@ -45,22 +87,44 @@ class Condition:
     def __repr__(self) -> str:
         return self._name
 
+    def _join(self, fn: Callable[[Group], Tensor], name: str, *others: object) -> Condition:
+        safe = self.shard_safe and all(is_shard_safe(o) for o in others)
+        return Condition(fn, name, shard_safe=safe)
+
     def __and__(self, other: Condition) -> Condition:
-        return Condition(lambda g: self(g) & other(g), f"({self} & {other})")
+        return self._join(lambda g: self(g) & other(g), f"({self} & {other})", other)
 
     def __or__(self, other: Condition) -> Condition:
-        return Condition(lambda g: self(g) | other(g), f"({self} | {other})")
+        return self._join(lambda g: self(g) | other(g), f"({self} | {other})", other)
 
     def __invert__(self) -> Condition:
-        return Condition(lambda g: ~self(g), f"~{self}")
+        return self._join(lambda g: ~self(g), f"~{self}")
 
 
 class Rule:
-    """A named rule ``group -> group`` (same keys, shapes and dtypes)."""
+    """A named rule ``group -> group`` (same keys, shapes and dtypes).
 
-    def __init__(self, fn: Callable[[Group], dict[str, Tensor]], name: str) -> None:
+    ``shard_safe=True`` declares that ``fn`` is elementwise except for statistics
+    taken through funcgrad's conditions (``fg.rules.all_zero()(group)`` and the like),
+    so ``fg.sharded`` may run it on each rank's rows; without it, ``fg.per_group``
+    gathers the group from all ranks first.
+
+    Example:
+        >>> import torch
+        >>> from funcgrad import rules
+        >>> halve_dead = rules.Rule(
+        ...     lambda g: {k: torch.where(rules.all_zero()(g), 0.5, t) for k, t in g.items()},
+        ...     "halve_dead", shard_safe=True)
+        >>> halve_dead({"w": torch.zeros(2)})
+        {'w': tensor([0.5000, 0.5000])}
+    """
+
+    def __init__(
+        self, fn: Callable[[Group], dict[str, Tensor]], name: str, *, shard_safe: bool = False
+    ) -> None:
         self._fn = fn
         self._name = name
+        self.shard_safe = shard_safe
 
     def __call__(self, group: Group) -> dict[str, Tensor]:
         return self._fn(group)
@@ -79,20 +143,35 @@ def number(value: object, what: str, *, finite: bool = True) -> float:
 
 
 def any_of(flags: list[Tensor]) -> Tensor:
-    """One 0-d bool per tensor, reduced once: stays on the device, no host sync."""
-    return torch.stack(flags).any()
+    """One 0-d bool per tensor, reduced once: stays on the device, no host sync.
+
+    Sharded: true if it holds on any rank."""
+    local = torch.stack(flags).any()
+    ranks = shards()
+    return local if ranks is None else ranks.any(local)
 
 
 def group_norm(group: Group) -> Tensor:
     """The 2-norm of all entries of the group, as ``torch.nn.utils.clip_grad_norm_``.
 
-    Half-precision gradients are accumulated in float32.
+    Half-precision gradients are accumulated in float32. Sharded: the root of the
+    summed squares of every rank's rows.
     """
     norms = []
     for g in group.values():
         acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
         norms.append(torch.linalg.vector_norm(g, 2, dtype=acc))
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
+    local = torch.linalg.vector_norm(torch.stack(norms), 2)
+    ranks = shards()
+    return local if ranks is None else ranks.sum(local * local).sqrt()
+
+
+def group_size(group: Group) -> int:
+    """The number of entries of the group (of the whole gradients when sharded)."""
+    ranks = shards()
+    if ranks is None:
+        return sum(t.numel() for t in group.values())
+    return sum(ranks.numel(k) for k in group)
 
 
 def is_zero(t: Tensor, atol: float = 0.0) -> Tensor:
@@ -101,8 +180,12 @@ def is_zero(t: Tensor, atol: float = 0.0) -> Tensor:
 
 
 def zero_count(group: Group, atol: float = 0.0) -> Tensor:
-    """The number of zeros (``|g| <= atol``) among all entries of the group (0-d int64)."""
-    return torch.stack([is_zero(t, atol).sum() for t in group.values()]).sum()
+    """The number of zeros (``|g| <= atol``) among all entries of the group (0-d int64).
+
+    Sharded: summed over the ranks."""
+    local = torch.stack([is_zero(t, atol).sum() for t in group.values()]).sum()
+    ranks = shards()
+    return local if ranks is None else ranks.sum(local)
 
 
 def check_is_rule(fn: object, what: str) -> None:

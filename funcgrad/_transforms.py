@@ -8,9 +8,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._base import EmptyState, GradientTransformation, Params, State, check_floating, stateless
+from . import _rule_base as _rb
+from ._base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    State,
+    check_floating,
+    shardable,
+    stateless,
+)
 from ._groups import Groups, as_groups
-from ._rule_base import apply_rule, check_is_rule, group_norm, zero_count
+from ._rule_base import apply_rule, check_is_rule, group_norm, group_size, zero_count
 from .rules import all_zero, any_nonfinite, clip_norm
 
 
@@ -55,11 +64,17 @@ def per_group(
     def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
         groups.check_against(grads, "fg.per_group.update")
         out = dict(grads)
+        ranks = _rb.shards()
         for names in groups.values():
-            out.update(apply_rule(rule, {n: grads[n] for n in names}))
+            group = {n: grads[n] for n in names}
+            if ranks is None or _rb.is_shard_safe(rule):
+                out.update(apply_rule(rule, group))
+            else:
+                # Under fg.sharded: a rule not declared shard-safe sees the whole group.
+                out.update(ranks.on_whole(lambda g: apply_rule(rule, g), group))
         return out, state
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update))
 
 
 _all_zero = all_zero()
@@ -105,8 +120,7 @@ def monitor(
         out: dict[str, Tensor] = {}
         for s in stats:
             if s == "zero_fraction":
-                total = sum(t.numel() for t in group.values())
-                out[s] = zero_count(group).to(torch.float32) / total
+                out[s] = zero_count(group).to(torch.float32) / group_size(group)
             elif s == "all_zero":
                 out[s] = _all_zero(group)
             elif s == "norm":
@@ -131,7 +145,7 @@ def monitor(
         new = {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
         return grads, MonitorState(new)
 
-    return GradientTransformation(init, update)
+    return shardable(GradientTransformation(init, update))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -149,4 +163,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         {'a': tensor([0.6000]), 'b': tensor([0.8000])}
     """
     rule = clip_norm(max_norm)
-    return stateless(lambda grads, params: rule(grads))
+    return shardable(stateless(lambda grads, params: rule(grads)))

@@ -83,11 +83,16 @@ def all_zero(atol: float = 0.0) -> Condition:
     """
     a = _atol(atol, "all_zero")
     if a == 0.0:
-        return Condition(lambda g: ~_rb.any_of([t.ne(0).any() for t in g.values()]), "all_zero()")
+        return Condition(
+            lambda g: ~_rb.any_of([t.ne(0).any() for t in g.values()]),
+            "all_zero()",
+            shard_safe=True,
+        )
     # ~(|t| > atol).any() rather than (|t| <= atol).all(): NaN is not zero either way.
     return Condition(
         lambda g: ~_rb.any_of([(~_rb.is_zero(t, a)).any() for t in g.values()]),
         f"all_zero(atol={a})",
+        shard_safe=True,
     )
 
 
@@ -104,6 +109,7 @@ def any_zero(atol: float = 0.0) -> Condition:
     return Condition(
         lambda g: _rb.any_of([_rb.is_zero(t, a).any() for t in g.values()]),
         f"any_zero({_suffix(a)})",
+        shard_safe=True,
     )
 
 
@@ -119,6 +125,7 @@ def any_nonfinite() -> Condition:
     return Condition(
         lambda g: _rb.any_of([torch.isfinite(t).logical_not().any() for t in g.values()]),
         "any_nonfinite()",
+        shard_safe=True,
     )
 
 
@@ -140,11 +147,13 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
         )
 
     def cond(g: Group) -> Tensor:
-        total = sum(t.numel() for t in g.values())
+        total = _rb.group_size(g)
         # Integer count against a host float threshold: no rounding of the fraction.
         return _rb.zero_count(g, a) > p * total
 
-    return Condition(cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})")
+    return Condition(
+        cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})", shard_safe=True
+    )
 
 
 def norm_above(x: float) -> Condition:
@@ -159,7 +168,7 @@ def norm_above(x: float) -> Condition:
     x = _rb.number(x, "fg.rules.norm_above: x")
     if x < 0:
         raise ValueError(f"fg.rules.norm_above: x must be >= 0, got {x}; a norm is never negative.")
-    return Condition(lambda g: _rb.group_norm(g) > x, f"norm_above({x})")
+    return Condition(lambda g: _rb.group_norm(g) > x, f"norm_above({x})", shard_safe=True)
 
 
 # -------------------------------------------------------------------- actions
@@ -174,7 +183,7 @@ def unchanged() -> Rule:
         >>> rules.unchanged()({"w": torch.ones(1)})
         {'w': tensor([1.])}
     """
-    return Rule(lambda g: dict(g), "unchanged()")
+    return Rule(lambda g: dict(g), "unchanged()", shard_safe=True)
 
 
 def identity() -> Rule:
@@ -206,7 +215,9 @@ def fill(value: float) -> Rule:
         {'w': tensor([1., 1.], dtype=torch.float16)}
     """
     v = _rb.number(value, "fg.rules.fill: value")
-    return Rule(lambda g: {k: torch.full_like(t, v) for k, t in g.items()}, f"fill({v})")
+    return Rule(
+        lambda g: {k: torch.full_like(t, v) for k, t in g.items()}, f"fill({v})", shard_safe=True
+    )
 
 
 def replace_zeros(value: float, atol: float = 0.0) -> Rule:
@@ -223,6 +234,7 @@ def replace_zeros(value: float, atol: float = 0.0) -> Rule:
     return Rule(
         lambda g: {k: torch.where(_rb.is_zero(t, a), v, t) for k, t in g.items()},
         f"replace_zeros({v}{', atol=' + str(a) if a else ''})",
+        shard_safe=True,
     )
 
 
@@ -239,6 +251,7 @@ def replace_nonfinite(value: float = 0.0) -> Rule:
     return Rule(
         lambda g: {k: torch.where(torch.isfinite(t), t, v) for k, t in g.items()},
         f"replace_nonfinite({v})",
+        shard_safe=True,
     )
 
 
@@ -252,7 +265,7 @@ def scale(factor: float) -> Rule:
         {'w': tensor([1.])}
     """
     f = _rb.number(factor, "fg.rules.scale: factor")
-    return Rule(lambda g: {k: t * f for k, t in g.items()}, f"scale({f})")
+    return Rule(lambda g: {k: t * f for k, t in g.items()}, f"scale({f})", shard_safe=True)
 
 
 def clip_norm(max_norm: float) -> Rule:
@@ -275,7 +288,7 @@ def clip_norm(max_norm: float) -> Rule:
         coef = torch.clamp(m / (_rb.group_norm(g) + 1e-6), max=1.0)
         return {k: t * coef.to(t.dtype) for k, t in g.items()}
 
-    return Rule(rule, f"clip_norm({m})")
+    return Rule(rule, f"clip_norm({m})", shard_safe=True)
 
 
 # ------------------------------------------------------------------ combinators
@@ -313,7 +326,8 @@ def when(
         a, b = _rb.apply_rule(then, g), _rb.apply_rule(other, g)
         return {k: torch.where(c, a[k], b[k]) for k in g}
 
-    return Rule(rule, name)
+    safe = all(_rb.is_shard_safe(f) for f in (condition, then, other))
+    return Rule(rule, name, shard_safe=safe)
 
 
 def zero_fix(
@@ -369,4 +383,4 @@ def zero_fix(
         return {k: torch.where(_rb.is_zero(t, tol), value.to(t.dtype), t) for k, t in g.items()}
 
     extra = f", atol={tol}" if tol else ""
-    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})")
+    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", shard_safe=True)

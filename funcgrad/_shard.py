@@ -1,0 +1,345 @@
+"""Sharded optimizer state (ZeRO-2) as a transformation: :func:`sharded`.
+
+Each tensor is split along its first dimension the way ``torch.chunk`` (and so
+``DTensor``'s ``Shard(0)``) splits it: rank ``r`` of ``N`` holds rows
+``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``; a 0-d tensor counts as one
+row. Rows keep the trailing shape, so a rank's piece of a ``(out, in)`` weight is a
+``(rows, in)`` matrix, and a checkpoint can describe it as a ``DTensor`` of the full
+shape (``torch.distributed.checkpoint`` then reshards it to any number of ranks).
+
+One step, per rank:
+
+1. the gradients of each dtype go out as one flat buffer (each tensor padded to
+   ``N*c`` rows) in one reduce-scatter; the rank keeps the mean of its rows;
+2. ``tx`` runs on those rows with the rank's rows of the parameters and its own
+   state. Every per-group statistic it takes through funcgrad's conditions
+   (``funcgrad._rule_base``) is combined across ranks with one small all-reduce, so
+   a rule decides on the global gradient (see that module's docstring);
+3. the updates of each dtype come back as one flat buffer in one all-gather, and
+   every rank returns the same full updates.
+
+All collectives are ``torch.distributed._functional_collectives``: traced into the
+compiled step as graph ops, one graph per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _rule_base as _rb
+from ._base import (
+    GradientTransformation,
+    Params,
+    State,
+    averages_over_ranks,
+    check_state,
+    is_shardable,
+)
+from ._tree import flatten
+
+
+class ShardedState(NamedTuple):
+    """``inner``: the wrapped transformation's state, for this rank's rows only."""
+
+    inner: State
+
+
+class Rows:
+    """Which rows of a tensor of ``shape`` rank ``rank`` of ``world`` holds."""
+
+    def __init__(self, shape: tuple[int, ...], rank: int, world: int) -> None:
+        self.shape = tuple(shape)
+        self.d0 = self.shape[0] if self.shape else 1
+        self.rest = self.shape[1:]
+        self.row = math.prod(self.rest)
+        self.chunk = -(-self.d0 // world)
+        self.world = world
+        self.start = min(rank * self.chunk, self.d0)
+        self.stop = min(self.start + self.chunk, self.d0)
+
+    def local(self, t: Tensor) -> Tensor:
+        """This rank's rows of the whole tensor ``t`` (a view)."""
+        return t.reshape(self.d0, *self.rest)[self.start : self.stop]
+
+    def padded(self, t: Tensor) -> Tensor:
+        """The whole ``t`` as ``[world, chunk * row]``: row block ``r`` is rank ``r``'s."""
+        v = t.reshape(self.d0, self.row)
+        pad = self.world * self.chunk - self.d0
+        if pad:
+            v = torch.cat([v, v.new_zeros(pad, self.row)])
+        return v.reshape(self.world, self.chunk * self.row)
+
+    def pad_local(self, piece: Tensor) -> Tensor:
+        """This rank's rows, padded to ``chunk`` rows, flat."""
+        flat = piece.reshape(-1)
+        pad = self.chunk * self.row - flat.numel()
+        return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+    def unpad_local(self, flat: Tensor) -> Tensor:
+        """Inverse of :meth:`pad_local`."""
+        return flat.reshape(self.chunk, *self.rest)[: self.stop - self.start]
+
+    def whole(self, blocks: Tensor) -> Tensor:
+        """``[world, chunk * row]`` row blocks back to the whole tensor."""
+        return blocks.reshape(self.world * self.chunk, *self.rest)[: self.d0].reshape(self.shape)
+
+
+def _by_dtype(tree: Mapping[str, Tensor]) -> list[list[str]]:
+    out: dict[torch.dtype, list[str]] = {}
+    for k, t in tree.items():
+        out.setdefault(t.dtype, []).append(k)
+    return list(out.values())
+
+
+class Ranks:
+    """The ranks of one process group and the row layout of one set of parameters."""
+
+    def __init__(self, group: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.group = group
+        self.pg: Any = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.rows = {k: Rows(s, self.rank, self.world) for k, s in shapes.items()}
+
+    # ---- the statistics protocol of _rule_base.Shards
+    def any(self, flag: Tensor) -> Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        return fc.all_reduce(flag.to(torch.int32), "max", self.pg) > 0
+
+    def sum(self, partial: Tensor) -> Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        return fc.all_reduce(partial, "sum", self.pg)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.rows[name].shape)
+
+    def on_whole(
+        self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """``fn`` on the whole group gathered from all ranks; this rank's rows of it."""
+        whole = self.gather(group)
+        _rb._ACTIVE.append(None)  # fn sees whole tensors: nothing more to combine
+        try:
+            out = fn(whole)
+        finally:
+            _rb._ACTIVE.pop()
+        return {k: self.rows[k].local(v) for k, v in out.items()}
+
+    # ---- moving rows
+    def scatter_mean(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The mean over ranks of ``grads``, this rank's rows: one reduce-scatter per dtype."""
+        import torch.distributed._functional_collectives as fc
+
+        out: dict[str, Tensor] = {}
+        for names in _by_dtype(grads):
+            blocks = torch.cat([self.rows[k].padded(grads[k]) for k in names], dim=1)
+            mine = fc.reduce_scatter_single(blocks.reshape(-1), "sum", 0, self.pg) / self.world
+            sizes = [self.rows[k].chunk * self.rows[k].row for k in names]
+            for k, flat in zip(names, mine.split(sizes), strict=True):
+                out[k] = self.rows[k].unpad_local(flat)
+        return {k: out[k] for k in grads}
+
+    def gather(self, pieces: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The whole tensors from every rank's rows: one all-gather per dtype."""
+        import torch.distributed._functional_collectives as fc
+
+        out: dict[str, Tensor] = {}
+        for names in _by_dtype(pieces):
+            mine = torch.cat([self.rows[k].pad_local(pieces[k]) for k in names])
+            blocks = fc.all_gather_single(mine, 0, self.pg).reshape(self.world, -1)
+            sizes = [self.rows[k].chunk * self.rows[k].row for k in names]
+            for k, b in zip(names, blocks.split(sizes, dim=1), strict=True):
+                out[k] = self.rows[k].whole(b)
+        return {k: out[k] for k in pieces}
+
+    def local(self, tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {k: self.rows[k].local(t) for k, t in tree.items()}
+
+
+def _initialized(who: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized, so there are no ranks to shard "
+            "the state over. Call torch.distributed.init_process_group(...) first (torchrun "
+            "sets the environment for init_process_group('gloo') or ('nccl')); in a single "
+            "process, use tx itself."
+        )
+
+
+def _signature(params: Params, whole_state: State) -> list[tuple[str, str]]:
+    """What every rank must agree on: parameter names, shapes and dtypes, and the
+    structure of ``tx``'s unsharded state (another transformation makes another one)."""
+    sig = [(f"parameter '{k}'", f"{tuple(p.shape)} {p.dtype}") for k, p in params.items()]
+    accessors, leaves, _ = flatten(whole_state)
+    for a, leaf in zip(accessors, leaves, strict=True):
+        what = f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, Tensor) else repr(leaf)
+        sig.append((f"tx's state entry {a.codify('state')}", what))
+    return sig
+
+
+def _check_same_on_all_ranks(ranks: Ranks, sig: list[tuple[str, str]]) -> None:
+    """Compare every rank's signature with rank 0's; the same error on every rank."""
+    every: list[Any] = [None] * ranks.world
+    dist.all_gather_object(every, sig, group=ranks.group)
+    ref = dict(every[0])
+    for r, other in enumerate(every[1:], start=1):
+        theirs = dict(other)
+        for what in list(ref) + [w for w in theirs if w not in ref]:
+            if ref.get(what) != theirs.get(what):
+                a, b = ref.get(what, "nothing"), theirs.get(what, "nothing")
+                raise ValueError(
+                    f"fg.sharded.init: rank {r} differs from rank 0 at {what}: rank 0 has "
+                    f"{a}, rank {r} has {b}. Every rank must build the same model and the "
+                    "same transformation (same seed, same code) before the first step; "
+                    "otherwise the collectives of the step would not match."
+                )
+
+
+class Layout(NamedTuple):
+    """What a checkpoint needs to describe the shards: the group, and for each leaf of
+    ``tx``'s state (optree order) its whole shape if it is split by rows, else None."""
+
+    ranks: Ranks
+    whole: list[tuple[int, ...] | None]
+    device: torch.device
+
+
+def _leaf_layout(
+    tx: GradientTransformation, params: Params
+) -> tuple[list[tuple[int, ...] | None], State]:
+    """Init ``tx`` on shape-only parameters twice, once with one extra row each: the
+    state leaves whose shape follows the rows are split like the parameters. Also
+    returns the (shape-only) unsharded state."""
+
+    def meta(extra: int) -> Params:
+        out = {}
+        for k, p in params.items():
+            shape = (
+                (p.shape[0] + extra, *p.shape[1:]) if p.dim() else ((1 + extra,) if extra else ())
+            )
+            out[k] = torch.empty(shape, dtype=p.dtype, device="meta")
+        return out
+
+    whole_state = tx.init(meta(0))
+    _, whole, _ = flatten(whole_state)
+    _, probe, _ = flatten(tx.init(meta(1)))
+    kinds: list[tuple[int, ...] | None] = []
+    for w, p in zip(whole, probe, strict=True):
+        split = isinstance(w, Tensor) and isinstance(p, Tensor) and w.shape != p.shape
+        kinds.append(tuple(w.shape) if split else None)
+    return kinds, whole_state
+
+
+def sharded(
+    tx: GradientTransformation, group: Any = None, *, assume_shardable: bool = False
+) -> GradientTransformation:
+    """``tx`` with its state split across the ranks of ``group`` (ZeRO-2).
+
+    Each rank keeps ``tx``'s state for its rows of every parameter only (about 1/N of
+    it): the mean gradient is reduce-scattered, ``tx`` runs on the rank's rows with
+    every per-group statistic (``all_zero``, zero counts, norms, ``monitor``,
+    ``clip_by_global_norm``, ``skip_if_nonfinite``) combined across ranks, and the
+    updates are all-gathered, so every rank ends the step with the same full
+    parameters. The result equals ``tx`` on the global batch in one process.
+
+    Replaces ``fg.all_reduce_mean`` (which would average twice): put
+    ``fg.sharded(...)`` around the whole chain. Parameters stay whole on every rank
+    (ZeRO-2, not FSDP's sharded parameters).
+
+    Rules from ``fg.rules`` run on each rank's rows. A rule of your own that is not a
+    ``fg.rules.Rule(..., shard_safe=True)`` is applied by ``fg.per_group`` to the whole
+    group, gathered from all ranks. ``tx`` may only contain funcgrad's transformations
+    (they are elementwise on the rows); a transformation of your own (``fg.stateless``
+    or a custom ``GradientTransformation``) is an error unless you pass
+    ``assume_shardable=True`` after checking that each of its output entries depends
+    only on the same entry of its inputs. ``tx`` sees ``(rows, *trailing shape)``
+    pieces, and a 0-d parameter as a 1-d piece of 0 or 1 rows: masks and labels
+    given as functions of tensors see the pieces.
+
+    Checkpoints: ``fg.state_dict(state)`` gives ``DTensor`` s of the whole shapes, for
+    ``torch.distributed.checkpoint``; see ``docs/distributed.md``.
+
+    Args:
+        tx: the transformation to shard, usually the whole chain (rules, then Adam).
+        group: a ``ProcessGroup``; ``None`` means the default (world) group.
+        assume_shardable: skip the check that ``tx`` is made of funcgrad's
+            transformations.
+
+    Example (two processes, e.g. ``torchrun --nproc_per_node=2``)::
+
+        tx = fg.sharded(fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam()))
+        state = tx.init(params)       # each rank: its rows of mu and nu
+        step = fg.make_step(loss_fn, tx, compile=True, donate=True)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"fg.sharded: wraps a GradientTransformation, got {type(tx).__name__}.")
+    if averages_over_ranks(tx):
+        raise ValueError(
+            "fg.sharded: tx contains fg.all_reduce_mean. fg.sharded averages the gradients "
+            "itself (a reduce-scatter); averaging twice would divide by the world size "
+            "twice. Remove fg.all_reduce_mean from the chain."
+        )
+    if not (assume_shardable or is_shardable(tx)):
+        raise TypeError(
+            "fg.sharded: tx contains a transformation that is not known to work on row "
+            "shards: one built with fg.stateless, fg.add_noise, or a custom "
+            "GradientTransformation. Under fg.sharded each rank sees only its rows of "
+            "each gradient, so a transformation that mixes entries (a matrix product, a "
+            "sum, a norm not taken through fg.rules) would silently compute something "
+            "else. If each output entry of yours depends only on the same entry of its "
+            "inputs, pass fg.sharded(tx, assume_shardable=True)."
+        )
+
+    class State_(ShardedState):
+        __slots__ = ()
+        layout: Layout | None = None
+
+    State_.__name__ = State_.__qualname__ = "ShardedState"
+
+    def init(params: Params) -> ShardedState:
+        _initialized("fg.sharded.init")
+        ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
+        kinds, whole_state = _leaf_layout(tx, params)
+        _check_same_on_all_ranks(ranks, _signature(params, whole_state))
+        State_.layout = Layout(ranks, kinds, _device(params))
+        return State_(tx.init(ranks.local(params)))
+
+    def update(
+        grads: Params, state: ShardedState, params: Params | None = None
+    ) -> tuple[Params, ShardedState]:
+        check_state(state, ShardedState, "fg.sharded")
+        layout: Layout | None = getattr(type(state), "layout", None)
+        if layout is None or not _same_shapes(layout.ranks, grads):
+            raise ValueError(
+                "fg.sharded.update: the state was made for other parameters (names or "
+                "shapes). Build it with tx.init(params) for the parameters you train."
+            )
+        ranks = layout.ranks
+        rows = ranks.scatter_mean(grads)
+        local_params = None if params is None else ranks.local(params)
+        _rb._ACTIVE.append(ranks)
+        try:
+            updates, inner = tx.update(rows, state.inner, local_params)
+        finally:
+            _rb._ACTIVE.pop()
+        return ranks.gather(updates), type(state)(inner)
+
+    return GradientTransformation(init, update)
+
+
+def _device(params: Params) -> torch.device:
+    return next(iter(params.values())).device if params else torch.device("cpu")
+
+
+def _same_shapes(ranks: Ranks, grads: Params) -> bool:
+    return grads.keys() == ranks.rows.keys() and all(
+        tuple(g.shape) == ranks.rows[k].shape for k, g in grads.items()
+    )
