@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -175,9 +176,16 @@ def _initialized(who: str) -> None:
 
 
 def _signature(params: Params, whole_state: State) -> list[tuple[str, str]]:
-    """What every rank must agree on: parameter names, shapes and dtypes, and the
-    structure of ``tx``'s unsharded state (another transformation makes another one)."""
+    """What every rank must agree on: parameter names, shapes, dtypes and values
+    (checksums), and the structure of ``tx``'s unsharded state (another
+    transformation makes another one)."""
     sig = [(f"parameter '{k}'", f"{tuple(p.shape)} {p.dtype}") for k, p in params.items()]
+    if params:  # sum and sum of squares per tensor, one host read for all
+        sums = torch.stack(
+            [torch.stack([p.double().sum(), p.double().square().sum()]) for p in params.values()]
+        ).tolist()
+        for k, (s1, s2) in zip(params, sums, strict=True):
+            sig.append((f"the values of parameter '{k}'", f"checksums ({s1!r}, {s2!r})"))
     accessors, leaves, _ = flatten(whole_state)
     for a, leaf in zip(accessors, leaves, strict=True):
         what = f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, Tensor) else repr(leaf)
@@ -194,12 +202,14 @@ def _check_same_on_all_ranks(ranks: Ranks, sig: list[tuple[str, str]]) -> None:
         theirs = dict(other)
         for what in list(ref) + [w for w in theirs if w not in ref]:
             if ref.get(what) != theirs.get(what):
-                a, b = ref.get(what, "nothing"), theirs.get(what, "nothing")
+                a, b = ref.get(what, "no such entry"), theirs.get(what, "no such entry")
                 raise ValueError(
                     f"fg.sharded.init: rank {r} differs from rank 0 at {what}: rank 0 has "
-                    f"{a}, rank {r} has {b}. Every rank must build the same model and the "
-                    "same transformation (same seed, same code) before the first step; "
-                    "otherwise the collectives of the step would not match."
+                    f"{a}, rank {r} has {b}. Every rank must build the same model with the "
+                    "same initial values (same seed, or broadcast rank 0's parameters with "
+                    "torch.distributed.broadcast) and the same transformation before the "
+                    "first step; otherwise the ranks would train different models, or the "
+                    "collectives of the step would not match."
                 )
 
 
@@ -343,3 +353,83 @@ def _same_shapes(ranks: Ranks, grads: Params) -> bool:
     return grads.keys() == ranks.rows.keys() and all(
         tuple(g.shape) == ranks.rows[k].shape for k, g in grads.items()
     )
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _layout_of(state: ShardedState, who: str) -> Layout:
+    layout: Layout | None = getattr(type(state), "layout", None)
+    if layout is None:
+        raise ValueError(f"{who}: this ShardedState was not made by fg.sharded(...).init.")
+    return layout
+
+
+def checkpoint_view(state: ShardedState) -> State:
+    """``state.inner`` with each row-split leaf as a ``DTensor`` of its whole shape
+    (``Shard(0)`` over the group), for ``torch.distributed.checkpoint``; a leaf of a 0-d
+    parameter is gathered to every rank as a plain 0-d tensor. Collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    layout = _layout_of(state, "fg.state_dict")
+    ranks = layout.ranks
+    _, leaves, spec = flatten(state.inner)
+    if len(leaves) != len(layout.whole):
+        raise ValueError("fg.state_dict: the ShardedState does not match its layout.")
+    mesh = DeviceMesh.from_group(ranks.pg, layout.device.type)
+    out: list[Any] = []
+    for leaf, whole in zip(leaves, layout.whole, strict=True):
+        if whole is None:
+            out.append(leaf)
+        elif len(whole) == 0:  # a 0-d parameter's: rank 0 holds its one row
+            value = leaf.reshape(()).clone() if ranks.rank == 0 else leaf.new_empty(())
+            dist.broadcast(value, group_src=0, group=ranks.group)
+            out.append(value)
+        else:
+            stride = torch.empty(whole, device="meta").stride()
+            out.append(
+                DTensor.from_local(
+                    leaf.contiguous(),
+                    mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size(whole),
+                    stride=stride,
+                )
+            )
+    return optree.tree_unflatten(spec, out)
+
+
+def whole_template(state: ShardedState) -> tuple[State, Callable[[State], ShardedState]]:
+    """The unsharded shape of ``state.inner`` (row-split leaves as ``meta`` tensors of
+    their whole shapes), and the function that cuts a loaded whole state back to this
+    rank's rows."""
+    layout = _layout_of(state, "fg.load_state_dict")
+    rank, world = layout.ranks.rank, layout.ranks.world
+    _, leaves, spec = flatten(state.inner)
+    template = [
+        leaf if whole is None else torch.empty(whole, dtype=leaf.dtype, device="meta")
+        for leaf, whole in zip(leaves, layout.whole, strict=True)
+    ]
+
+    def cut(whole_state: State) -> ShardedState:
+        _, loaded, _ = flatten(whole_state)
+        mine = [
+            value if whole is None else Rows(whole, rank, world).local(value).clone()
+            for value, whole in zip(loaded, layout.whole, strict=True)
+        ]
+        return type(state)(optree.tree_unflatten(spec, mine))
+
+    return optree.tree_unflatten(spec, template), cut
+
+
+def full_tensors(tree: Any) -> Any:
+    """Replace every ``DTensor`` in a nested dict by its whole tensor (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, Mapping):
+        return {k: full_tensors(v) for k, v in tree.items()}
+    return tree

@@ -19,7 +19,7 @@ import optree
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State
+from ._base import GradientTransformation, Params, State, params_device
 from ._tree import flatten, names_mismatch
 
 _PLAIN = (bool, int, float, str)
@@ -121,6 +121,10 @@ def state_dict(state: State) -> dict[str, Any]:
         >>> int(loaded.count), torch.equal(loaded.mu["w"], state.mu["w"])
         (1, True)
     """
+    from ._shard import ShardedState, checkpoint_view
+
+    if isinstance(state, ShardedState):  # the whole shapes, as DTensors (collective)
+        state = checkpoint_view(state)
     accessors, leaves, _ = flatten(state)
     if len(accessors) == 1 and len(accessors[0]) == 0:  # the state is one leaf
         return {"_type": "value", "value": _plain_leaf(leaves[0])}
@@ -186,7 +190,14 @@ def load_state_dict(
         ...
         KeyError: "fg.load_state_dict: the checkpoint does not match tx.init(params): ...
     """
+    from ._shard import ShardedState, full_tensors, whole_template
+
     template = tx.init(params)
+    cut = None
+    if isinstance(template, ShardedState):  # check and load whole, then keep our rows
+        template, cut = whole_template(template)
+    state_dict = full_tensors(state_dict)  # DTensors from torch.distributed.checkpoint
+    device = params_device(params)
     accessors, leaves, spec = flatten(template)
     if isinstance(state_dict, Mapping) and state_dict.get("_type") == "value":
         saved_root: Any = state_dict["value"]
@@ -226,7 +237,7 @@ def load_state_dict(
                     f"{value.dtype} in the checkpoint, but tx.init(params) makes "
                     f"{tuple(want.shape)} {want.dtype}.{_HINT}"
                 )
-            loaded.append(value.to(want.device).clone())
+            loaded.append(value.to(device if want.is_meta else want.device).clone())
         elif value != want:
             raise ValueError(
                 f"fg.load_state_dict: {path} is {value!r} in the checkpoint, "
@@ -236,4 +247,4 @@ def load_state_dict(
             loaded.append(want)
     state = optree.tree_unflatten(spec, loaded)
     _check_invariants(state)
-    return state
+    return state if cut is None else cut(state)

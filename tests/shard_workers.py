@@ -1,0 +1,203 @@
+"""Worker processes for the fg.sharded tests (spawned, gloo, loopback only).
+
+The model has uneven row counts (padding), a layer whose gradient rows 2-3 are
+always zero (ReLU units that never fire), so on 2 ranks rank 1's *shard* of fc1 is
+all-zero while fc1 as a whole is not, and a 0-d parameter.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint
+from dist_workers import free_port
+from torch import nn
+from torch._dynamo.utils import counters
+
+import funcgrad as fg
+from funcgrad import _rule_base, _shard
+
+STEPS = 6
+BATCH = 12  # divisible by 1, 2 and 3 ranks
+NAN_STEP = 3  # one batch poisoned with a NaN: skip_if_nonfinite must skip it everywhere
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, hidden)
+        self.fc2 = nn.Linear(hidden, 3)
+        self.fc3 = nn.Linear(3, 1)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        return self.fc3(torch.tanh(self.fc2(h))) * self.temperature
+
+
+def model(hidden: int = 4) -> Net:
+    torch.manual_seed(0)
+    m = Net(hidden).double()
+    with torch.no_grad():
+        m.fc1.bias[2:].fill_(-100.0)  # units 2, 3 never fire: their rows get zero grads
+    return m
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(STEPS):
+        x = torch.randn(BATCH, 2, generator=g, dtype=torch.float64)
+        y = torch.randn(BATCH, 1, generator=g, dtype=torch.float64)
+        if i == NAN_STEP:
+            y[0] = float("nan")
+        out.append((x, y))
+    return out
+
+
+def custom_rule(group):
+    """A rule of the user's own (not shard-safe): scales by the group's total |g|.
+
+    fc2 has 3 rows: on 2 ranks its rows are split 2 + 1, so this rule on one rank's
+    rows would compute another total."""
+    total = sum(t.abs().sum() for t in group.values())
+    return {k: t / (1.0 + total) for k, t in group.items()}
+
+
+def make_tx(m: nn.Module, amsgrad: bool = False) -> fg.GradientTransformation:
+    groups = fg.group_by_module(m)
+    stats = ("zero_fraction", "all_zero", "norm", "any_nonfinite")
+    return fg.named_chain(
+        ("before", fg.monitor(groups, stats)),  # the raw global gradient
+        ("rules", fg.per_group(fg.rules.zero_fix(), groups.select("fc1", "fc3"))),
+        ("custom", fg.per_group(custom_rule, groups.select("fc2"))),
+        ("after", fg.monitor(groups, ("norm",))),  # what the rules made of it
+        (
+            "update",
+            fg.skip_if_nonfinite(
+                fg.chain(
+                    fg.clip_by_global_norm(1.0),
+                    fg.adamw(lr=0.05, weight_decay=0.1, amsgrad=amsgrad),
+                )
+            ),
+        ),
+    )
+
+
+def loss_fn(m: nn.Module):
+    def loss(p, x, y):
+        return ((fg.call(m, p, x) - y) ** 2).mean()
+
+    return loss
+
+
+def train(m, tx, step, rank, world, steps=range(STEPS), params=None, state=None):
+    params = fg.params(m) if params is None else params
+    state = tx.init(params) if state is None else state
+    n = BATCH // world
+    data = batches()
+    for i in steps:
+        x, y = data[i]
+        step(params, state, x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
+    return params, state
+
+
+def state_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for _, t in fg._tree.tensor_paths(state))
+
+
+def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=5 if mode == "stall" else 120)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout
+    )
+    result: dict = {}
+    try:
+        if mode == "stall" and rank == 1:
+            time.sleep(3600)
+        if mode == "mismatch_model":
+            m = model(hidden=5 if rank == 1 else 4)
+            fg.sharded(make_tx(m)).init(fg.params(m))
+        if mode == "mismatch_values":
+            m = model()
+            with torch.no_grad():
+                m.fc2.bias.add_(float(rank))
+            fg.sharded(make_tx(m)).init(fg.params(m))
+        if mode == "mismatch_tx":
+            m = model()
+            fg.sharded(make_tx(m, amsgrad=rank == 2)).init(fg.params(m))
+        if mode == "per_shard":  # statistics NOT combined: each rank decides on its rows
+            _shard.Ranks.any = lambda self, flag: flag  # type: ignore[method-assign]
+        if mode == "custom_on_shards":  # the custom rule run on rows, not the whole group
+            _rule_base.is_shard_safe = lambda fn: True
+        compiled = mode.startswith("compiled")
+        backend = "inductor" if mode == "compiled_inductor" else "aot_eager"
+        m = model()
+        tx = fg.sharded(make_tx(m))
+        step = fg.make_step(
+            loss_fn(m), tx, compile={"backend": backend} if compiled else False, donate=True
+        )
+        counters.clear()
+        if mode == "save":
+            params, state = train(m, tx, step, rank, world, steps=range(NAN_STEP + 1))
+            sd = {"params": params, "state": fg.state_dict(state)}
+            torch.distributed.checkpoint.save(sd, checkpoint_id=os.path.join(out, "ckpt"))
+            result["saved_state"] = _shard.full_tensors(fg.state_dict(state))
+            params, state = train(
+                m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
+            )
+        elif mode == "load":
+            params = fg.params(m)
+            sd = {"params": params, "state": fg.state_dict(tx.init(params))}
+            torch.distributed.checkpoint.load(sd, checkpoint_id=os.path.join(out, "ckpt"))
+            state = fg.load_state_dict(tx, params, sd["state"])
+            result["loaded_state"] = _shard.full_tensors(fg.state_dict(state))
+            params, state = train(
+                m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
+            )
+        else:
+            params, state = train(m, tx, step, rank, world)
+        result.update(
+            params={k: v.clone() for k, v in params.items()},
+            monitor={
+                name: {g: dict(s) for g, s in state.inner[name].stats.items()}
+                for name in ("before", "after")
+            },
+            skipped=int(state.inner["update"].skipped),
+            state_bytes=state_bytes(state),
+            graphs=counters["stats"]["unique_graphs"],
+            breaks=sum(counters["graph_break"].values()),
+        )
+        torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(mode: str, out: Path, world: int, deadline_s: float = 240.0) -> float:
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        worker,
+        args=(world, free_port(), mode, str(out)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    t0 = time.monotonic()
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() - t0 > deadline_s:
+                raise TimeoutError(f"distributed workers still running after {deadline_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return time.monotonic() - t0

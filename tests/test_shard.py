@@ -1,0 +1,177 @@
+"""fg.sharded (ZeRO-2) on 2 and 3 gloo ranks against one process on the full batch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import shard_workers as sw
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import funcgrad as fg
+from funcgrad import _shard, rules
+from funcgrad._tree import tensor_paths
+
+
+def single_process(steps=range(sw.STEPS), params=None, state=None):
+    m = sw.model()
+    tx = sw.make_tx(m)
+    step = fg.make_step(sw.loss_fn(m), tx, donate=True)
+    return sw.train(m, tx, step, 0, 1, steps, params, state)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process()
+
+
+def load(path, mode, rank):
+    return torch.load(path / f"{mode}-rank{rank}.pt", weights_only=False)
+
+
+def test_setup_has_a_parameter_shard_that_is_all_zero_while_its_layer_is_not():
+    m = sw.model()
+    x, y = sw.batches()[0]
+    g = torch.func.grad(sw.loss_fn(m))(fg.params(m), x, y)
+    # 2 ranks: rank 1 holds rows 2-3 of fc1, whose gradient is exactly zero.
+    assert (g["fc1.weight"][2:] == 0).all() and (g["fc1.bias"][2:] == 0).all()
+    assert (g["fc1.weight"][:2] != 0).any()
+
+
+@pytest.mark.parametrize(
+    ("mode", "world"),
+    [("eager", 2), ("eager", 3), ("compiled", 2), ("compiled_inductor", 3)],
+)
+def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp_path):
+    sw.run(mode, tmp_path, world)
+    params, state = reference
+    unsharded = sw.state_bytes(state)
+    for rank in range(world):
+        got = load(tmp_path, mode, rank)
+        for k in params:
+            torch.testing.assert_close(got["params"][k], params[k], rtol=1e-12, atol=1e-12)
+        for name in ("before", "after"):  # monitor before and after the rules
+            for g, stats in state[name].stats.items():
+                for s, v in stats.items():
+                    torch.testing.assert_close(got["monitor"][name][g][s], v)
+        assert got["skipped"] == int(state["update"].skipped) == 1  # the NaN batch
+        # State per rank: this rank's rows of mu, nu (+ padding rows at most), the
+        # counters and monitor statistics whole.
+        split = sum(t.numel() * t.element_size() for p, t in tensor_paths(state) if t.dim())
+        assert got["state_bytes"] <= unsharded - split + split / world + 64 * world
+        if mode.startswith("compiled"):
+            assert (got["graphs"], got["breaks"]) == (1, 0)
+
+
+def test_a_per_shard_rule_would_differ_and_is_caught(reference, tmp_path):
+    """With the statistics left per rank, rank 1 sees its rows of fc1 all-zero and
+    fills them with 1.0 instead of 0.5: the monitored norm after the rule moves."""
+    sw.run("per_shard", tmp_path, 2)
+    _, state = reference
+    want = state["after"].stats["fc1"]["norm"]
+    got = load(tmp_path, "per_shard", 1)["monitor"]["after"]["fc1"]["norm"]
+    assert abs(float(got) - float(want)) > 0.5
+
+
+def test_a_custom_rule_runs_on_the_whole_group(reference, tmp_path):
+    """custom_rule is no shard-safe Rule, so fg.per_group gathers fc2 before applying
+    it (the equality test above). Applied to each rank's rows instead, it differs."""
+    sw.run("custom_on_shards", tmp_path, 2)
+    _, state = reference
+    want = state["after"].stats["fc2"]["norm"]
+    got = load(tmp_path, "custom_on_shards", 0)["monitor"]["after"]["fc2"]["norm"]
+    assert abs(float(got) - float(want)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "message"),
+    [
+        (
+            "mismatch_model",
+            2,
+            r"rank 1 differs from rank 0 at parameter 'fc1\.weight': rank 0 has \(4, 2\) "
+            r"torch\.float64, rank 1 has \(5, 2\)",
+        ),
+        ("mismatch_tx", 3, r"rank 2 differs from rank 0 at tx's state entry .*nu_max"),
+        ("mismatch_values", 2, r"rank 1 differs from rank 0 at the values of parameter"),
+    ],
+)
+def test_mismatched_ranks_fail_at_init_naming_rank_and_entry(mode, world, message, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=message):
+        sw.run(mode, tmp_path, world, deadline_s=60)
+    assert time.monotonic() - t0 < 60
+    assert not mp.active_children()
+
+
+def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException, match=r"[Tt]imed out|[Tt]imeout"):
+        sw.run("stall", tmp_path, 2, deadline_s=90)
+    assert time.monotonic() - t0 < 60
+    assert not mp.active_children()
+
+
+def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_path):
+    """Save at step 4 on 2 ranks (torch.distributed.checkpoint), then continue: on the
+    same 2 ranks (uninterrupted), on 3 ranks, and unsharded in this process."""
+    sw.run("save", tmp_path, 2)
+    sw.run("load", tmp_path, 3)
+    saved, resumed = load(tmp_path, "save", 0), load(tmp_path, "load", 2)
+    # The state that 3 ranks rebuilt is the state 2 ranks saved, bit for bit.
+    want = dict(tensor_paths(saved["saved_state"]))
+    have = dict(tensor_paths(resumed["loaded_state"]))
+    assert want.keys() == have.keys()
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=0, atol=0, equal_nan=True)
+    for k, v in saved["params"].items():
+        torch.testing.assert_close(resumed["params"][k], v, rtol=1e-12, atol=1e-12)
+    # One process, plain tx: DCP reads the whole tensors without a process group.
+    m = sw.model()
+    tx = sw.make_tx(m)
+    params = fg.params(m)
+    sd = {"params": params, "state": fg.state_dict(tx.init(params))}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"))
+    state = fg.load_state_dict(tx, params, sd["state"])
+    params, _ = single_process(range(sw.NAN_STEP + 1, sw.STEPS), params, state)
+    for k, v in saved["params"].items():
+        torch.testing.assert_close(params[k], v, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (2,), (3, 4), (4, 3), (5, 2, 2), (0, 3), (7,)])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_rows_are_torch_chunk_and_pad_round_trip(shape, world):
+    t = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float64)
+    t = t[: torch.Size(shape).numel()].reshape(shape)
+    as_rows = t.reshape(-1) if t.dim() == 0 else t
+    chunks = list(torch.chunk(as_rows, world)) if as_rows.shape[0] else []
+    blocks = []
+    for r in range(world):
+        rows = _shard.Rows(tuple(shape), r, world)
+        want = chunks[r] if r < len(chunks) else as_rows[:0]
+        assert torch.equal(rows.local(t), want)
+        assert torch.equal(rows.unpad_local(rows.pad_local(rows.local(t))), want)
+        blocks.append(rows.pad_local(rows.local(t)))
+        assert torch.equal(rows.padded(t)[r], blocks[-1])
+    assert torch.equal(_shard.Rows(tuple(shape), 0, world).whole(torch.stack(blocks)), t)
+
+
+def test_shard_safety_of_rules_and_conditions():
+    assert rules.zero_fix().shard_safe and rules.clip_norm(1.0).shard_safe
+    assert (rules.all_zero() | ~rules.any_nonfinite()).shard_safe
+    assert rules.when(rules.norm_above(1.0), rules.scale(0.5)).shard_safe
+    mine = rules.Condition(lambda g: g["w"].sum() > 0, "mine")
+    assert not (rules.all_zero() & mine).shard_safe
+    assert not rules.when(mine, rules.fill(0.0)).shard_safe
+    assert rules.Rule(lambda g: dict(g), "r", shard_safe=True).shard_safe
+
+
+def test_statistics_outside_sharded_are_local():
+    g = {"w": torch.tensor([0.0, 3.0]), "b": torch.tensor([4.0])}
+    from funcgrad import _rule_base as rb
+
+    assert rb.shards() is None
+    assert rb.group_size(g) == 3 and int(rb.zero_count(g)) == 1
+    assert float(rb.group_norm(g)) == 5.0
