@@ -9,6 +9,12 @@ gradients in a compiled funcgrad step, and ``fg.all_reduce_mean()`` averages the
 across ranks *before* the per-layer zero rule runs, so every rank applies the rule to
 the same global gradient and the parameters stay identical on all ranks (checked at
 the end). Started without torchrun, it runs as a single process.
+
+With ``--sharded`` the chain is wrapped in ``fg.sharded`` instead (ZeRO-2): each rank
+keeps Adam's moments for its rows of every parameter only, the rule still decides on
+the global gradient, and the script prints the optimizer state each rank holds:
+
+    torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --sharded
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128, help="global batch size")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument(
+        "--sharded",
+        action="store_true",
+        help="keep only this rank's rows of the optimizer state (fg.sharded, ZeRO-2)",
+    )
     ap.add_argument(
         "--timeout",
         type=float,
@@ -60,13 +71,25 @@ def main(argv: list[str] | None = None) -> float:
         return nn.functional.cross_entropy(fg.call(model, p, x), t)
 
     groups = fg.group_by_module(model)
-    tx = fg.chain(
-        fg.all_reduce_mean(noop_if_not_initialized=True),  # first: rules see global grads
-        fg.per_group(fg.rules.zero_fix(), groups),
-        fg.adam(lr=1e-3),
-    )
+    if args.sharded and distributed:
+        # fg.sharded averages the gradients itself; rules see the global gradient.
+        tx = fg.sharded(fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=1e-3)))
+    else:
+        tx = fg.chain(
+            fg.all_reduce_mean(noop_if_not_initialized=True),  # first: rules see global grads
+            fg.per_group(fg.rules.zero_fix(), groups),
+            fg.adam(lr=1e-3),
+        )
     params = fg.params(model)
     state = tx.init(params)
+    state_bytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(state))
+    if distributed:
+        every = [0] * world
+        dist.all_gather_object(every, state_bytes)
+        if rank == 0:
+            kind = "sharded" if args.sharded else "replicated"
+            per_rank = ", ".join(f"rank {r}: {b / 1024:.1f} KiB" for r, b in enumerate(every))
+            print(f"optimizer state ({kind}): {per_rank}")
     step = fg.make_step(loss_fn, tx, compile=not args.no_compile, donate=True)
 
     local = args.batch // world

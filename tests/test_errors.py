@@ -145,6 +145,36 @@ def _python_if_in_a_rule():
 
 CASES = [
     (
+        "fg.sharded: wraps a GradientTransformation, got Rule.",
+        TypeError,
+        lambda: fg.sharded(rules.zero_fix()),
+    ),
+    (
+        "fg.sharded: tx contains fg.all_reduce_mean",
+        ValueError,
+        lambda: fg.sharded(fg.chain(fg.all_reduce_mean(), fg.adam())),
+    ),
+    (
+        "fg.sharded: tx contains a transformation that is not known to work on row shards",
+        TypeError,
+        lambda: fg.sharded(fg.chain(fg.stateless(lambda g, p: g), fg.adam())),
+    ),
+    (
+        "fg.sharded.init: torch.distributed is not initialized",
+        RuntimeError,
+        lambda: fg.sharded(fg.adam()).init(P),
+    ),
+    (
+        "fg.sharded.update: the state was made for other parameters",
+        ValueError,
+        lambda: fg.sharded(fg.adam()).update(P, fg.ShardedState(_adam_state()), P),
+    ),
+    (
+        "fg.state_dict: this ShardedState was not made by fg.sharded(...).init.",
+        ValueError,
+        lambda: fg.state_dict(fg.ShardedState(_adam_state())),
+    ),
+    (
         "fg.hooks.attach: scaler must be a torch.amp.GradScaler, got float.",
         TypeError,
         lambda: fg.hooks.attach(SeedModel(), rules.zero_fix(), {}, scaler=1024.0),
