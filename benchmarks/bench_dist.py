@@ -1,9 +1,11 @@
-"""Data-parallel step time: 2 gloo processes vs 1 process, same global batch (CPU).
+"""Data-parallel step time and optimizer state per rank: N gloo processes vs 1 (CPU).
 
-Both run the same compiled funcgrad step (all_reduce_mean -> zero rule -> Adam) on
-the MLP 256-512-512-512-10 with a global batch of 128; the 2-process run gives each
-rank 64 samples and 1 thread, the 1-process run has both threads. The figure is the
-ratio of median step times, measured in one run of this script.
+All run the same compiled funcgrad step on the MLP 256-512-512-512-10 with a global
+batch of 128: replicated state (all_reduce_mean -> zero rule -> Adam) or sharded
+state (fg.sharded(zero rule -> Adam), ZeRO-2). N processes give each rank 128/N
+samples and 1 thread; the 1-process run without a process group has both threads.
+The figures are ratios of median step times, and the bytes of optimizer state each
+rank holds, measured in one run of this script.
 
 Run: python benchmarks/bench_dist.py [--steps N]
 """
@@ -30,9 +32,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_step import mlp
 
 
-def run(rank: int, world: int, port: int, steps: int, out: str, bucket: bool) -> None:
+def run(
+    rank: int, world: int, port: int, steps: int, out: str, bucket: bool, sharded: bool
+) -> None:
+    grouped = world > 1 or sharded
     if world > 1:
         torch.set_num_threads(1)
+    if grouped:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
@@ -41,11 +47,13 @@ def run(rank: int, world: int, port: int, steps: int, out: str, bucket: bool) ->
     x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
     local = 128 // world
     x, y = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
-    tx = fg.chain(
-        fg.all_reduce_mean(bucket=bucket, noop_if_not_initialized=True),
-        fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)),
-        fg.adam(),
-    )
+    rule = fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model))
+    if sharded:
+        tx = fg.sharded(fg.chain(rule, fg.adam()))
+    else:
+        tx = fg.chain(
+            fg.all_reduce_mean(bucket=bucket, noop_if_not_initialized=True), rule, fg.adam()
+        )
 
     def loss_fn(p, x, y):
         return nn.functional.cross_entropy(fg.call(model, p, x), y)
@@ -57,25 +65,35 @@ def run(rank: int, world: int, port: int, steps: int, out: str, bucket: bool) ->
         step(params, state, x, y)
     times = []
     for _ in range(steps):
-        if world > 1:
+        if grouped:
             dist.barrier()
         t = time.perf_counter()
         step(params, state, x, y)
         times.append(time.perf_counter() - t)
+    nbytes = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(state))
+    every = [nbytes]
+    if grouped:
+        every = [0] * world
+        dist.all_gather_object(every, nbytes)
     if rank == 0:
-        Path(out).write_text(json.dumps({"median_s": statistics.median(times)}))
-    if world > 1:
+        Path(out).write_text(json.dumps({"median_s": statistics.median(times), "bytes": every}))
+    if grouped:
+        del params, state, step, tx
+        dist.barrier()
         dist.destroy_process_group()
 
 
-def measure(world: int, steps: int, out: Path, bucket: bool = True) -> float:
+def measure(world: int, steps: int, out: Path, bucket: bool = True, sharded: bool = False) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.start_processes(
-        run, args=(world, port, steps, str(out), bucket), nprocs=world, start_method="spawn"
+        run,
+        args=(world, port, steps, str(out), bucket, sharded),
+        nprocs=world,
+        start_method="spawn",
     )
-    return json.loads(out.read_text())["median_s"]
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -85,29 +103,26 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "_dist_tmp.json"
-    one = measure(1, args.steps, tmp)
-    two = measure(2, args.steps, tmp)
-    two_unbucketed = measure(2, args.steps, tmp, bucket=False)
+    variants = {
+        f"1 process, {torch.get_num_threads()} threads, no process group": (1, True, False),
+        "2 processes, replicated, bucketed (1 collective)": (2, True, False),
+        "2 processes, replicated, 1 collective per tensor": (2, False, False),
+        "1 process, sharded (a group of 1)": (1, True, True),
+        "2 processes, sharded": (2, True, True),
+        "3 processes, sharded": (3, True, True),
+    }
+    results = {}
+    for name, (world, bucket, sharded) in variants.items():
+        results[name] = measure(world, args.steps, tmp, bucket=bucket, sharded=sharded)
     os.remove(tmp)
-    print(f"global batch 128, MLP, median of {args.steps} steps")
-    print(f"  1 process, {torch.get_num_threads()} threads:           {one * 1e3:7.2f} ms")
-    print(f"  2 processes, bucketed (1 collective):  {two * 1e3:7.2f} ms   {two / one:.2f}x")
-    print(
-        f"  2 processes, 1 collective per tensor:  {two_unbucketed * 1e3:7.2f} ms   "
-        f"{two_unbucketed / one:.2f}x"
-    )
-    (args.out / "bench_dist.json").write_text(
-        json.dumps(
-            {
-                "one_process_s": one,
-                "two_process_s": two,
-                "two_process_unbucketed_s": two_unbucketed,
-                "ratio": two / one,
-                "ratio_unbucketed": two_unbucketed / one,
-            },
-            indent=2,
-        )
-    )
+    base = next(iter(results.values()))
+    print(f"global batch 128, MLP (1.34M parameters), median of {args.steps} steps")
+    print(f"  {'variant':50s} {'step':>9s} {'ratio':>6s}  optimizer state per rank")
+    for name, res in results.items():
+        mib = ", ".join(f"{b / 2**20:.2f}" for b in res["bytes"])
+        ms, ratio = res["median_s"] * 1e3, res["median_s"] / base["median_s"]
+        print(f"  {name:50s} {ms:6.2f} ms {ratio:5.2f}x  {mib} MiB")
+    (args.out / "bench_dist.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

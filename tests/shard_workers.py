@@ -136,6 +136,20 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             _shard.Ranks.any = lambda self, flag: flag  # type: ignore[method-assign]
         if mode == "custom_on_shards":  # the custom rule run on rows, not the whole group
             _rule_base.is_shard_safe = lambda fn: True
+        if mode == "accumulate":  # fg.accumulate inside and outside fg.sharded
+            for where in ("inside", "outside"):
+                m = model()
+                tx = (
+                    fg.sharded(fg.accumulate(make_tx(m), 2))
+                    if where == "inside"
+                    else fg.accumulate(fg.sharded(make_tx(m)), 2)
+                )
+                step = fg.make_step(loss_fn(m), tx, donate=True)
+                params, _ = train(m, tx, step, rank, world)
+                result[where] = {k: v.clone() for k, v in params.items()}
+            torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
+            dist.barrier()
+            return
         compiled = mode.startswith("compiled")
         backend = "inductor" if mode == "compiled_inductor" else "aot_eager"
         m = model()

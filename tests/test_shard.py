@@ -65,6 +65,18 @@ def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp
             assert (got["graphs"], got["breaks"]) == (1, 0)
 
 
+def test_accumulate_inside_and_outside_sharded(tmp_path):
+    sw.run("accumulate", tmp_path, 2)
+    m = sw.model()
+    tx = fg.accumulate(sw.make_tx(m), 2)
+    want, _ = sw.train(m, tx, fg.make_step(sw.loss_fn(m), tx, donate=True), 0, 1)
+    for rank in (0, 1):
+        got = load(tmp_path, "accumulate", rank)
+        for where in ("inside", "outside"):
+            for k, v in want.items():
+                torch.testing.assert_close(got[where][k], v, rtol=1e-12, atol=1e-12)
+
+
 def test_a_per_shard_rule_would_differ_and_is_caught(reference, tmp_path):
     """With the statistics left per rank, rank 1 sees its rows of fc1 all-zero and
     fills them with 1.0 instead of 0.5: the monitored norm after the rule moves."""
