@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from torch import Tensor
 from ._base import describe
 
 Group = Mapping[str, Tensor]
+T = TypeVar("T")
 
 
 class Shards(Protocol):
@@ -42,6 +43,7 @@ class Shards(Protocol):
     def on_whole(
         self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Group
     ) -> dict[str, Tensor]: ...
+    def batched(self, fn: Callable[[], T]) -> T: ...
 
 
 _ACTIVE: list[Shards | None] = []
@@ -59,6 +61,21 @@ def is_shard_safe(fn: object) -> bool:
     return getattr(fn, "shard_safe", False) is True
 
 
+def reads_input_only(fn: object) -> bool:
+    """Whether every statistic ``fn`` takes is of its input group (funcgrad's own rules
+    and conditions, and ``when``/``&``/``|``/``~`` of them). Then ``fg.sharded`` may
+    combine all statistics of all groups in one collective (``Shards.batched``); a
+    rule that takes a statistic of its own intermediate result may not."""
+    return is_shard_safe(fn) and getattr(fn, "_input_stats", False) is True
+
+
+def batched(fn: Callable[[], T]) -> T:
+    """``fn()``; under ``fg.sharded``, with all its statistics in one collective
+    (``fn`` must take them of its inputs only: see :func:`reads_input_only`)."""
+    ranks = shards()
+    return fn() if ranks is None else ranks.batched(fn)
+
+
 class Condition:
     """A named function ``group -> 0-d bool tensor``; combine with ``&``, ``|``, ``~``.
 
@@ -73,10 +90,16 @@ class Condition:
     """
 
     def __init__(
-        self, fn: Callable[[Group], Tensor], name: str, *, shard_safe: bool = False
+        self,
+        fn: Callable[[Group], Tensor],
+        name: str,
+        *,
+        shard_safe: bool = False,
+        _input_stats: bool = False,
     ) -> None:
         self._fn = fn
         self._name = name
+        self._input_stats = _input_stats
         self.shard_safe = shard_safe
         """True if ``fn`` reads the group only through funcgrad's statistics (then
         ``fg.sharded`` evaluates it on each rank's rows; see the module docstring)."""
@@ -89,7 +112,8 @@ class Condition:
 
     def _join(self, fn: Callable[[Group], Tensor], name: str, *others: object) -> Condition:
         safe = self.shard_safe and all(is_shard_safe(o) for o in others)
-        return Condition(fn, name, shard_safe=safe)
+        plain = reads_input_only(self) and all(reads_input_only(o) for o in others)
+        return Condition(fn, name, shard_safe=safe, _input_stats=plain)
 
     def __and__(self, other: Condition) -> Condition:
         return self._join(lambda g: self(g) & other(g), f"({self} & {other})", other)
@@ -120,10 +144,16 @@ class Rule:
     """
 
     def __init__(
-        self, fn: Callable[[Group], dict[str, Tensor]], name: str, *, shard_safe: bool = False
+        self,
+        fn: Callable[[Group], dict[str, Tensor]],
+        name: str,
+        *,
+        shard_safe: bool = False,
+        _input_stats: bool = False,
     ) -> None:
         self._fn = fn
         self._name = name
+        self._input_stats = _input_stats
         self.shard_safe = shard_safe
 
     def __call__(self, group: Group) -> dict[str, Tensor]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import optree
 import torch
@@ -43,6 +43,8 @@ from ._base import (
     is_shardable,
 )
 from ._tree import flatten
+
+T = TypeVar("T")
 
 
 class ShardedState(NamedTuple):
@@ -91,6 +93,64 @@ class Rows:
         return blocks.reshape(self.world * self.chunk, *self.rest)[: self.d0].reshape(self.shape)
 
 
+class _Record:
+    """The first pass of :meth:`Ranks.batched`: keeps each partial, answers locally."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.partials: list[Tensor] = []
+        self.kinds: list[str] = []
+
+    def any(self, flag: Tensor) -> Tensor:
+        self.partials.append(flag.to(torch.float64))
+        self.kinds.append("any")
+        return flag
+
+    def sum(self, partial: Tensor) -> Tensor:
+        self.partials.append(partial.to(torch.float64))
+        self.kinds.append("sum")
+        return partial
+
+    def numel(self, name: str) -> int:
+        return self.ranks.numel(name)
+
+    def on_whole(
+        self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        return self.ranks.on_whole(fn, group)
+
+    def batched(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+
+class _Replay(_Record):
+    """The second pass: answers each statistic, in the same order, with its total."""
+
+    def __init__(self, ranks: Ranks, totals: Tensor, kinds: list[str]) -> None:
+        super().__init__(ranks)
+        self.totals, self.expected, self.i = totals, kinds, 0
+
+    def _next(self, kind: str) -> Tensor:
+        if self.i >= len(self.expected) or self.expected[self.i] != kind:
+            raise RuntimeError(
+                "fg.sharded: a rule took other statistics on its second pass than on its "
+                "first. Rules must be pure functions of their group; one that is not must "
+                "not be marked as funcgrad's own."
+            )
+        self.i += 1
+        return self.totals[self.i - 1]
+
+    def any(self, flag: Tensor) -> Tensor:
+        return self._next("any") > 0
+
+    def sum(self, partial: Tensor) -> Tensor:
+        return self._next("sum").to(partial.dtype)
+
+    def done(self) -> None:
+        if self.i != len(self.expected):
+            self._next("(none)")
+
+
 def _by_dtype(tree: Mapping[str, Tensor]) -> list[list[str]]:
     out: dict[torch.dtype, list[str]] = {}
     for k, t in tree.items():
@@ -133,6 +193,28 @@ class Ranks:
         finally:
             _rb._ACTIVE.pop()
         return {k: self.rows[k].local(v) for k, v in out.items()}
+
+    def batched(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with all its statistics combined in one all-reduce instead of one
+        each: run once recording the local partials (under compile, everything but
+        the partials is dead code), sum them all at once (in float64: counts stay
+        exact, "any" becomes a count of ranks), and run again with the totals."""
+        record = _Record(self)
+        _rb._ACTIVE.append(record)
+        try:
+            fn()
+        finally:
+            _rb._ACTIVE.pop()
+        if not record.partials:
+            return fn()
+        replay = _Replay(self, self.sum(torch.stack(record.partials)), record.kinds)
+        _rb._ACTIVE.append(replay)
+        try:
+            out = fn()
+        finally:
+            _rb._ACTIVE.pop()
+        replay.done()
+        return out
 
     # ---- moving rows
     def scatter_mean(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -319,8 +401,12 @@ def sharded(
         ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
         kinds, whole_state = _leaf_layout(tx, params)
         _check_same_on_all_ranks(ranks, _signature(params, whole_state))
-        State_.layout = Layout(ranks, kinds, _device(params))
-        return State_(tx.init(ranks.local(params)))
+        new = Layout(ranks, kinds, _device(params))
+        if State_.layout is None or _key(State_.layout) != _key(new):
+            # Kept when equal: a compiled step guards on it, so a second init (e.g.
+            # by fg.load_state_dict) must not cause a recompile.
+            State_.layout = new
+        return State_(tx.init(State_.layout.ranks.local(params)))
 
     def update(
         grads: Params, state: ShardedState, params: Params | None = None
@@ -343,6 +429,12 @@ def sharded(
         return ranks.gather(updates), type(state)(inner)
 
     return GradientTransformation(init, update)
+
+
+def _key(layout: Layout) -> tuple[Any, ...]:
+    r = layout.ranks
+    shapes = tuple((k, rows.shape) for k, rows in r.rows.items())
+    return (id(r.pg), r.rank, r.world, shapes, tuple(layout.whole), layout.device)
 
 
 def _device(params: Params) -> torch.device:

@@ -63,16 +63,21 @@ def per_group(
 
     def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
         groups.check_against(grads, "fg.per_group.update")
-        out = dict(grads)
         ranks = _rb.shards()
-        for names in groups.values():
-            group = {n: grads[n] for n in names}
-            if ranks is None or _rb.is_shard_safe(rule):
-                out.update(apply_rule(rule, group))
-            else:
-                # Under fg.sharded: a rule not declared shard-safe sees the whole group.
-                out.update(ranks.on_whole(lambda g: apply_rule(rule, g), group))
-        return out, state
+
+        def apply_all() -> Params:
+            out = dict(grads)
+            for names in groups.values():
+                group = {n: grads[n] for n in names}
+                if ranks is None or _rb.is_shard_safe(rule):
+                    out.update(apply_rule(rule, group))
+                else:
+                    # Under fg.sharded: a rule not declared shard-safe sees the whole group.
+                    out.update(ranks.on_whole(lambda g: apply_rule(rule, g), group))
+            return out
+
+        # Under fg.sharded, funcgrad's rules get every group's statistics in one collective.
+        return (_rb.batched(apply_all) if _rb.reads_input_only(rule) else apply_all()), state
 
     return shardable(GradientTransformation(init, update))
 
@@ -142,7 +147,9 @@ def monitor(
         grads: Params, state: State, params: Params | None = None
     ) -> tuple[Params, MonitorState]:
         groups.check_against(grads, "fg.monitor.update")
-        new = {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
+        new = _rb.batched(
+            lambda: {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
+        )
         return grads, MonitorState(new)
 
     return shardable(GradientTransformation(init, update))

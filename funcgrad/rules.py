@@ -33,6 +33,8 @@ from ._rule_base import Condition, Rule
 # The helpers stay in _rule_base (not importable as fg.rules.<name>): fg.rules holds
 # rules, conditions and their two classes only.
 Group = _rb.Group
+# funcgrad's rules and conditions: shard-safe, and every statistic is of the input group.
+_BUILTIN = {"shard_safe": True, "_input_stats": True}
 
 __all__ = [
     "Condition",
@@ -86,13 +88,13 @@ def all_zero(atol: float = 0.0) -> Condition:
         return Condition(
             lambda g: ~_rb.any_of([t.ne(0).any() for t in g.values()]),
             "all_zero()",
-            shard_safe=True,
+            **_BUILTIN,
         )
     # ~(|t| > atol).any() rather than (|t| <= atol).all(): NaN is not zero either way.
     return Condition(
         lambda g: ~_rb.any_of([(~_rb.is_zero(t, a)).any() for t in g.values()]),
         f"all_zero(atol={a})",
-        shard_safe=True,
+        **_BUILTIN,
     )
 
 
@@ -109,7 +111,7 @@ def any_zero(atol: float = 0.0) -> Condition:
     return Condition(
         lambda g: _rb.any_of([_rb.is_zero(t, a).any() for t in g.values()]),
         f"any_zero({_suffix(a)})",
-        shard_safe=True,
+        **_BUILTIN,
     )
 
 
@@ -125,7 +127,7 @@ def any_nonfinite() -> Condition:
     return Condition(
         lambda g: _rb.any_of([torch.isfinite(t).logical_not().any() for t in g.values()]),
         "any_nonfinite()",
-        shard_safe=True,
+        **_BUILTIN,
     )
 
 
@@ -151,9 +153,7 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
         # Integer count against a host float threshold: no rounding of the fraction.
         return _rb.zero_count(g, a) > p * total
 
-    return Condition(
-        cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})", shard_safe=True
-    )
+    return Condition(cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})", **_BUILTIN)
 
 
 def norm_above(x: float) -> Condition:
@@ -168,7 +168,7 @@ def norm_above(x: float) -> Condition:
     x = _rb.number(x, "fg.rules.norm_above: x")
     if x < 0:
         raise ValueError(f"fg.rules.norm_above: x must be >= 0, got {x}; a norm is never negative.")
-    return Condition(lambda g: _rb.group_norm(g) > x, f"norm_above({x})", shard_safe=True)
+    return Condition(lambda g: _rb.group_norm(g) > x, f"norm_above({x})", **_BUILTIN)
 
 
 # -------------------------------------------------------------------- actions
@@ -183,7 +183,7 @@ def unchanged() -> Rule:
         >>> rules.unchanged()({"w": torch.ones(1)})
         {'w': tensor([1.])}
     """
-    return Rule(lambda g: dict(g), "unchanged()", shard_safe=True)
+    return Rule(lambda g: dict(g), "unchanged()", **_BUILTIN)
 
 
 def identity() -> Rule:
@@ -216,7 +216,7 @@ def fill(value: float) -> Rule:
     """
     v = _rb.number(value, "fg.rules.fill: value")
     return Rule(
-        lambda g: {k: torch.full_like(t, v) for k, t in g.items()}, f"fill({v})", shard_safe=True
+        lambda g: {k: torch.full_like(t, v) for k, t in g.items()}, f"fill({v})", **_BUILTIN
     )
 
 
@@ -234,7 +234,7 @@ def replace_zeros(value: float, atol: float = 0.0) -> Rule:
     return Rule(
         lambda g: {k: torch.where(_rb.is_zero(t, a), v, t) for k, t in g.items()},
         f"replace_zeros({v}{', atol=' + str(a) if a else ''})",
-        shard_safe=True,
+        **_BUILTIN,
     )
 
 
@@ -251,7 +251,7 @@ def replace_nonfinite(value: float = 0.0) -> Rule:
     return Rule(
         lambda g: {k: torch.where(torch.isfinite(t), t, v) for k, t in g.items()},
         f"replace_nonfinite({v})",
-        shard_safe=True,
+        **_BUILTIN,
     )
 
 
@@ -265,7 +265,7 @@ def scale(factor: float) -> Rule:
         {'w': tensor([1.])}
     """
     f = _rb.number(factor, "fg.rules.scale: factor")
-    return Rule(lambda g: {k: t * f for k, t in g.items()}, f"scale({f})", shard_safe=True)
+    return Rule(lambda g: {k: t * f for k, t in g.items()}, f"scale({f})", **_BUILTIN)
 
 
 def clip_norm(max_norm: float) -> Rule:
@@ -288,7 +288,7 @@ def clip_norm(max_norm: float) -> Rule:
         coef = torch.clamp(m / (_rb.group_norm(g) + 1e-6), max=1.0)
         return {k: t * coef.to(t.dtype) for k, t in g.items()}
 
-    return Rule(rule, f"clip_norm({m})", shard_safe=True)
+    return Rule(rule, f"clip_norm({m})", **_BUILTIN)
 
 
 # ------------------------------------------------------------------ combinators
@@ -327,7 +327,8 @@ def when(
         return {k: torch.where(c, a[k], b[k]) for k in g}
 
     safe = all(_rb.is_shard_safe(f) for f in (condition, then, other))
-    return Rule(rule, name, shard_safe=safe)
+    plain = all(_rb.reads_input_only(f) for f in (condition, then, other))
+    return Rule(rule, name, shard_safe=safe, _input_stats=plain)
 
 
 def zero_fix(
@@ -383,4 +384,4 @@ def zero_fix(
         return {k: torch.where(_rb.is_zero(t, tol), value.to(t.dtype), t) for k, t in g.items()}
 
     extra = f", atol={tol}" if tol else ""
-    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", shard_safe=True)
+    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", **_BUILTIN)

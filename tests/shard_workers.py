@@ -69,12 +69,22 @@ def custom_rule(group):
     return {k: t / (1.0 + total) for k, t in group.items()}
 
 
+# A rule of the user's own, declared shard-safe, whose second statistic (clip_norm's
+# norm) is of its own intermediate result: fg.sharded must combine it per call. The
+# seed rule inside brings fc1 to a norm of about 1.3, under the clip's 2.0; had rank
+# 1 filled its rows with 1.0 (deciding on its rows alone), the norm would be ~2.5.
+nested_rule = fg.rules.Rule(
+    lambda g: fg.rules.clip_norm(2.0)(fg.rules.zero_fix()(g)), "nested", shard_safe=True
+)
+
+
 def make_tx(m: nn.Module, amsgrad: bool = False) -> fg.GradientTransformation:
     groups = fg.group_by_module(m)
     stats = ("zero_fraction", "all_zero", "norm", "any_nonfinite")
     return fg.named_chain(
         ("before", fg.monitor(groups, stats)),  # the raw global gradient
-        ("rules", fg.per_group(fg.rules.zero_fix(), groups.select("fc1", "fc3"))),
+        ("nested", fg.per_group(nested_rule, groups.select("fc1"))),
+        ("rules", fg.per_group(fg.rules.zero_fix(), groups.select("fc3"))),
         ("custom", fg.per_group(custom_rule, groups.select("fc2"))),
         ("after", fg.monitor(groups, ("norm",))),  # what the rules made of it
         (
@@ -134,6 +144,9 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             fg.sharded(make_tx(m, amsgrad=rank == 2)).init(fg.params(m))
         if mode == "per_shard":  # statistics NOT combined: each rank decides on its rows
             _shard.Ranks.any = lambda self, flag: flag  # type: ignore[method-assign]
+            _shard.Ranks.batched = lambda self, fn: fn()  # type: ignore[method-assign]
+        if mode == "nested_batched":  # the nested rule's statistics in one collective
+            _rule_base.reads_input_only = _rule_base.is_shard_safe
         if mode == "custom_on_shards":  # the custom rule run on rows, not the whole group
             _rule_base.is_shard_safe = lambda fn: True
         if mode == "accumulate":  # fg.accumulate inside and outside fg.sharded

@@ -87,6 +87,17 @@ def test_a_per_shard_rule_would_differ_and_is_caught(reference, tmp_path):
     assert abs(float(got) - float(want)) > 0.5
 
 
+def test_a_rule_with_nested_statistics_combines_them_one_by_one(reference, tmp_path):
+    """nested_rule clips the output of the seed rule. Combining all its statistics in
+    one collective (as funcgrad's own rules are) would clip by the norm that the first,
+    uncombined pass computed, where rank 1 filled its all-zero rows with 1.0."""
+    sw.run("nested_batched", tmp_path, 2)
+    _, state = reference
+    want = state["after"].stats["fc1"]["norm"]
+    got = load(tmp_path, "nested_batched", 0)["monitor"]["after"]["fc1"]["norm"]
+    assert abs(float(got) - float(want)) > 0.1
+
+
 def test_a_custom_rule_runs_on_the_whole_group(reference, tmp_path):
     """custom_rule is no shard-safe Rule, so fg.per_group gathers fc2 before applying
     it (the equality test above). Applied to each rank's rows instead, it differs."""
@@ -171,13 +182,20 @@ def test_rows_are_torch_chunk_and_pad_round_trip(shape, world):
 
 
 def test_shard_safety_of_rules_and_conditions():
+    from funcgrad import _rule_base as rb
+
     assert rules.zero_fix().shard_safe and rules.clip_norm(1.0).shard_safe
     assert (rules.all_zero() | ~rules.any_nonfinite()).shard_safe
     assert rules.when(rules.norm_above(1.0), rules.scale(0.5)).shard_safe
     mine = rules.Condition(lambda g: g["w"].sum() > 0, "mine")
     assert not (rules.all_zero() & mine).shard_safe
     assert not rules.when(mine, rules.fill(0.0)).shard_safe
-    assert rules.Rule(lambda g: dict(g), "r", shard_safe=True).shard_safe
+    mine_safe = rules.Rule(lambda g: dict(g), "r", shard_safe=True)
+    assert mine_safe.shard_safe
+    # One collective for all statistics only where each is of the rule's input group.
+    assert rb.reads_input_only(rules.zero_fix()) and rb.reads_input_only(~rules.any_zero())
+    assert not rb.reads_input_only(mine_safe)
+    assert not rb.reads_input_only(rules.when(rules.all_zero(), mine_safe))
 
 
 def test_statistics_outside_sharded_are_local():
