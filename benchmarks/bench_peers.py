@@ -11,8 +11,17 @@ Reported: step time (interleaved medians, ratio funcgrad / JAX), and each one's 
 call (JAX's jit compile; funcgrad's compile, measured in a fresh process with
 torch's caches disabled, and with them warm).
 
-Needs the optional extra: ``pip install -e ".[bench]"`` (jax, optax). Without it the
-script says so and exits 0. Opacus (per-sample clipping) is not compared here yet.
+Opacus, per-sample clipping (DP-SGD without noise, so the updates can be compared):
+the same MLP and batch, each sample's whole gradient clipped to norm 1.0, the mean,
+Adam(1e-3). funcgrad: ``make_step(fg.adam(), per_sample=fg.clip_by_global_norm(1.0),
+compile=True, donate=True)`` (``vmap`` of ``grad``). Opacus 1.6: ``GradSampleModule``
+in its hooks and functorch modes with ``DPOptimizer``, and ghost clipping
+(``GradSampleModuleFastGradientClipping`` + ``DPOptimizerFastGradientClipping`` +
+``DPLossFastGradientClipping``). Each must agree with funcgrad after three float64
+steps (1e-9) before the float32 timing (interleaved medians).
+
+Needs the optional extra: ``pip install -e ".[bench]"`` (jax, optax, opacus). Without a
+peer the script says so, skips that part and exits 0.
 
 Run: python benchmarks/bench_peers.py
 """
@@ -142,16 +151,136 @@ def funcgrad_first_call(env: dict[str, str]) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["first_call_s"]
 
 
+CLIP, LR = 1.0, 1e-3
+
+
+def funcgrad_dp_step(model: nn.Module, compile: bool):
+    def loss_fn(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    tx = fg.adam(LR)
+    params = fg.params(model)
+    state = tx.init(params)
+    step = fg.make_step(
+        loss_fn, tx, per_sample=fg.clip_by_global_norm(CLIP), compile=compile, donate=True
+    )
+    return lambda x, y: step(params, state, x, y), params
+
+
+def opacus_dp_step(model: nn.Module, mode: str):
+    """One DP step (noise 0) of Opacus in ``mode``; returns (step, live parameters)."""
+    from opacus import GradSampleModule
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    batch = 64
+    if mode == "ghost":
+        gsm = GradSampleModuleFastGradientClipping(
+            model, max_grad_norm=CLIP, use_ghost_clipping=True, loss_reduction="mean"
+        )
+        opt = DPOptimizerFastGradientClipping(
+            torch.optim.Adam(gsm.parameters(), lr=LR),
+            noise_multiplier=0.0,
+            max_grad_norm=CLIP,
+            expected_batch_size=batch,
+            loss_reduction="mean",
+        )
+        criterion = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss(), "mean")
+
+        def ghost_step(x: torch.Tensor, y: torch.Tensor) -> None:
+            opt.zero_grad()
+            criterion(gsm(x), y).backward()
+            opt.step()
+
+        return ghost_step, dict(model.named_parameters())
+    gsm = GradSampleModule(model, force_functorch=(mode == "functorch"))
+    dp = DPOptimizer(
+        torch.optim.Adam(gsm.parameters(), lr=LR),
+        noise_multiplier=0.0,
+        max_grad_norm=CLIP,
+        expected_batch_size=batch,
+    )
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        dp.zero_grad()
+        nn.functional.cross_entropy(gsm(x), y).backward()
+        dp.step()
+
+    return step, dict(model.named_parameters())
+
+
+OPACUS_MODES = ("hooks", "functorch", "ghost")
+
+
+def opacus_main() -> dict[str, object]:
+    import opacus
+
+    worst = {}
+    for mode in OPACUS_MODES:
+        ours, fparams = funcgrad_dp_step(torch_mlp(torch.float64), compile=False)
+        theirs, oparams = opacus_dp_step(torch_mlp(torch.float64), mode)
+        for i in range(3):
+            x, y = data(i, torch.float64)
+            ours(x, y)
+            theirs(x, y)
+        worst[mode] = max(
+            float((fparams[k] - oparams[k].detach()).abs().max() / oparams[k].detach().abs().max())
+            for k in fparams
+        )
+    print(
+        "same update (3 DP steps, float64, largest relative difference): "
+        + ", ".join(f"{m} {d:.1e}" for m, d in worst.items())
+    )
+    if not all(d < 1e-9 for d in worst.values()):
+        raise SystemExit("funcgrad and Opacus disagree: not timing different things")
+    x, y = data()
+    fns = {"funcgrad": funcgrad_dp_step(torch_mlp(), compile=True)[0]}
+    fns |= {f"opacus {m}": opacus_dp_step(torch_mlp(), m)[0] for m in OPACUS_MODES}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        for _ in range(3):
+            f(x, y)
+    for _ in range(7):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(10):
+                f(x, y)
+            times[k].append((time.perf_counter() - t) / 10)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"per-sample clipping, opacus {opacus.__version__}, median of 7x10 steps:")
+    for k, v in med.items():
+        print(f"  {k:18s} {v * 1e3:8.3f} ms   funcgrad / this {med['funcgrad'] / v:5.2f}")
+    return {"opacus_step_s": med, "opacus_same_update_rel_diff": worst}
+
+
 def main() -> None:
     if "--child" in sys.argv:
         return first_call_child()
+    result: dict[str, object] = {}
     try:
-        import jax
+        import jax  # noqa: F401
         import optax  # noqa: F401
     except ImportError:
         print('bench_peers: jax and optax are not installed; pip install -e ".[bench]". Skipped.')
-        return
+    else:
+        result |= jax_main()
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        print('bench_peers: opacus is not installed; pip install -e ".[bench]". Skipped.')
+    else:
+        result |= opacus_main()
+    if result:
+        out = Path(__file__).parent / "results"
+        out.mkdir(exist_ok=True)
+        (out / "bench_peers.json").write_text(json.dumps(result, indent=2))
+
+
+def jax_main() -> dict[str, object]:
     import tempfile
+
+    import jax
 
     diff = check_same_update()
     print(f"same update: largest relative difference after 3 steps {diff:.1e} (must be < 1e-9)")
@@ -199,11 +328,9 @@ def main() -> None:
         f"({cold / jax_first:.1f}x jax), warm caches {warm:.1f} s ({warm / jax_first:.1f}x jax)",
     ]
     print("\n".join(lines))
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    result = {"step_s": med, "jax_first_s": jax_first, "fg_first_cold_s": cold}
-    result |= {"fg_first_warm_s": warm, "same_update_rel_diff": diff}
-    (out / "bench_peers.json").write_text(json.dumps(result, indent=2))
+    result: dict[str, object] = {"step_s": med, "jax_first_s": jax_first}
+    result |= {"fg_first_cold_s": cold, "fg_first_warm_s": warm, "same_update_rel_diff": diff}
+    return result
 
 
 if __name__ == "__main__":

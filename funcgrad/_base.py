@@ -153,7 +153,12 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
             f"{names_mismatch(params, updates)}. Pass the updates returned by "
             "tx.update(grads, state, params) for these same params."
         )
-    return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
+    if torch.compiler.is_compiling() or not params:
+        return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
+    # Eagerly, one dispatch for all tensors (the same additions, bit for bit).
+    cast = [u if (u := updates[k]).dtype == p.dtype else u.to(p.dtype) for k, p in params.items()]
+    new = torch._foreach_add(list(params.values()), cast)
+    return dict(zip(params, new, strict=True))
 
 
 def describe(x: object) -> str:

@@ -374,14 +374,23 @@ def zero_fix(
     a = _rb.number(if_all_zero, "fg.rules.zero_fix: if_all_zero")
     z = _rb.number(if_zero, "fg.rules.zero_fix: if_zero")
     tol = _atol(atol, "zero_fix")
-    dead = all_zero(tol)
 
     def rule(g: Group) -> dict[str, Tensor]:
         # Equal to when(all_zero(), fill(a), otherwise=replace_zeros(z)), in one pass:
         # in an all-zero group every entry is a zero, so "zeros become (a if the group
-        # is all-zero else z)" is the whole rule. No full-size fill is materialized.
-        value = torch.where(dead(g), a, z)  # 0-d: a for a dead group, else z
-        return {k: torch.where(_rb.is_zero(t, tol), value.to(t.dtype), t) for k, t in g.items()}
+        # is all-zero else z)" is the whole rule. No full-size fill is materialized, and
+        # each tensor's zero mask serves both the test and the replacement (all_zero's
+        # "no entry is not zero" is "every entry is zero"; NaN is neither way a zero).
+        zeros = {k: _rb.is_zero(t, tol) for k, t in g.items()}
+        dead = ~_rb.any_of([~m.all() for m in zeros.values()])
+        value = torch.where(dead, a, z)  # 0-d: a for a dead group, else z
+        as_dtype: dict[torch.dtype, Tensor] = {}  # one cast per dtype, not per tensor
+        out = {}
+        for k, t in g.items():
+            if t.dtype not in as_dtype:
+                as_dtype[t.dtype] = value.to(t.dtype)
+            out[k] = torch.where(zeros[k], as_dtype[t.dtype], t)
+        return out
 
     extra = f", atol={tol}" if tol else ""
     return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", **_BUILTIN)

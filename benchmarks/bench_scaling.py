@@ -1,0 +1,172 @@
+"""How funcgrad's costs grow with the number of parameter tensors (issue #13, target 4).
+
+Model: ``L`` blocks of ``Linear(W, W) + ReLU`` (2L parameter tensors), batch 32, MSE
+loss; funcgrad's step is the seed rule per layer + Adam, donated. For each ``L``:
+
+* eager: the first call of ``make_step(compile=False)`` (its pre-checks, which run a
+  shape-only dry run of ``tx.update``, plus one step) and the median step, against
+  the published hook answer + ``torch.optim.Adam`` on the same model;
+* compiled (for the ``--compile-layers`` sizes): the cold compile of the step in a
+  fresh process with empty inductor caches, against the cold compile of the gradient
+  computation alone (``torch.compile(torch.func.grad_and_value(loss))``), and the
+  median compiled step against the compiled gradient computation.
+
+Ratios are of variants measured side by side (interleaved) in one run; cold compiles
+run one after the other in child processes. Absolute times are for context only.
+
+Run: python benchmarks/bench_scaling.py [--layers 10 100 1000] [--compile-layers 10 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import funcgrad as fg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from hook_answer import attach_hook_answer
+
+
+def model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+def batch(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
+
+
+def loss_of(m: nn.Module) -> Callable[..., torch.Tensor]:
+    def loss(p, x, y):
+        return ((fg.call(m, p, x) - y) ** 2).mean()
+
+    return loss
+
+
+def fg_step(m: nn.Module, compile: bool):
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam())
+    params = fg.params(m)
+    state = tx.init(params)
+    step = fg.make_step(loss_of(m), tx, compile=compile, donate=True)
+    return step, params, state
+
+
+def medians(fns: dict[str, Callable[[], object]], repeats: int, number: int) -> dict[str, float]:
+    for f in fns.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(number):
+                f()
+            times[k].append((time.perf_counter() - t) / number)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def eager(layers: int, width: int) -> dict[str, float]:
+    x, y = batch(width)
+    m_hook = model(layers, width)
+    attach_hook_answer(m_hook, (nn.Linear,))
+    opt = torch.optim.Adam(m_hook.parameters())
+
+    def hook() -> None:
+        opt.zero_grad()
+        ((m_hook(x) - y) ** 2).mean().backward()
+        opt.step()
+
+    step, params, state = fg_step(model(layers, width), compile=False)
+    t = time.perf_counter()
+    step(params, state, x, y)
+    first = time.perf_counter() - t
+    number = max(1, 200 // layers)
+    t = medians({"hook": hook, "fg": lambda: step(params, state, x, y)}, 7, number)
+    return {"first_call_s": first, "hook_s": t["hook"], "fg_s": t["fg"]}
+
+
+def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
+    """In a fresh process with empty caches: the first call, then the median step."""
+    x, y = batch(width)
+    m = model(layers, width)
+    if which == "grad":
+        f = torch.compile(torch.func.grad_and_value(loss_of(m)), fullgraph=True)
+        params = fg.params(m)
+
+        def call() -> object:
+            return f(params, x, y)
+    else:
+        step, params, state = fg_step(m, compile=True)
+
+        def call() -> object:
+            return step(params, state, x, y)
+
+    t = time.perf_counter()
+    call()
+    first = time.perf_counter() - t
+    return {"first_call_s": first, "step_s": medians({"f": call}, 7, 20)["f"]}
+
+
+def run_child(layers: int, width: int, which: str) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+        }
+        cmd = [sys.executable, __file__, "--child", str(layers), str(width), which]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[10, 100, 1000])
+    ap.add_argument("--compile-layers", type=int, nargs="*", default=[10, 40])
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        layers, width, which = int(args.child[0]), int(args.child[1]), args.child[2]
+        print(json.dumps(compile_child(layers, width, which)))
+        return
+    results: dict[str, dict] = {"eager": {}, "compiled": {}}
+    print(f"L blocks of Linear({args.width}, {args.width}) + ReLU, batch 32, rule + Adam")
+    print("eager (compile=False, donated) against the hook answer + torch.optim.Adam")
+    for layers in args.layers:
+        r = eager(layers, args.width)
+        results["eager"][layers] = r
+        print(
+            f"  L={layers:5d}  first call {r['first_call_s']:6.2f} s   step {r['fg_s'] * 1e3:8.2f}"
+            f" ms  hook {r['hook_s'] * 1e3:8.2f} ms  ratio {r['fg_s'] / r['hook_s']:5.2f}x"
+        )
+    print("compiled, cold (fresh process, empty caches): step against grad-only")
+    for layers in args.compile_layers:
+        g = run_child(layers, args.width, "grad")
+        s = run_child(layers, args.width, "step")
+        results["compiled"][layers] = {"grad": g, "step": s}
+        print(
+            f"  L={layers:5d}  first call {s['first_call_s']:6.1f} s vs {g['first_call_s']:6.1f} s"
+            f" ({s['first_call_s'] / g['first_call_s']:4.2f}x)   step {s['step_s'] * 1e3:7.3f} ms"
+            f" vs {g['step_s'] * 1e3:7.3f} ms ({s['step_s'] / g['step_s']:4.2f}x)"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_scaling.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
