@@ -38,15 +38,24 @@ import funcgrad as fg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from hook_answer import attach_hook_answer
 
+DEVICE = torch.device("cpu")
+
 
 def model(layers: int, width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+    blocks = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]
+    return nn.Sequential(*blocks).to(DEVICE)
 
 
 def batch(width: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
+    x, y = torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
+    return x.to(DEVICE), y.to(DEVICE)
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def loss_of(m: nn.Module) -> Callable[..., torch.Tensor]:
@@ -70,9 +79,11 @@ def medians(fns: dict[str, Callable[[], object]], repeats: int, number: int) -> 
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
+            sync()
             t = time.perf_counter()
             for _ in range(number):
                 f()
+            sync()
             times[k].append((time.perf_counter() - t) / number)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -91,6 +102,7 @@ def eager(layers: int, width: int) -> dict[str, float]:
     step, params, state = fg_step(model(layers, width), compile=False)
     t = time.perf_counter()
     step(params, state, x, y)
+    sync()
     first = time.perf_counter() - t
     number = max(1, 200 // layers)
     t = medians({"hook": hook, "fg": lambda: step(params, state, x, y)}, 7, number)
@@ -115,6 +127,7 @@ def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
 
     t = time.perf_counter()
     call()
+    sync()
     first = time.perf_counter() - t
     return {"first_call_s": first, "step_s": medians({"f": call}, 7, 20)["f"]}
 
@@ -128,6 +141,7 @@ def run_child(layers: int, width: int, which: str) -> dict[str, float]:
             "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
         }
         cmd = [sys.executable, __file__, "--child", str(layers), str(width), which]
+        cmd += ["--device", str(DEVICE)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -138,14 +152,19 @@ def main() -> None:
     ap.add_argument("--compile-layers", type=int, nargs="*", default=[10, 40])
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (see benchmarks/gpu.sh)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.child:
         layers, width, which = int(args.child[0]), int(args.child[1]), args.child[2]
         print(json.dumps(compile_child(layers, width, which)))
         return
     results: dict[str, dict] = {"eager": {}, "compiled": {}}
-    print(f"L blocks of Linear({args.width}, {args.width}) + ReLU, batch 32, rule + Adam")
+    print(
+        f"L blocks of Linear({args.width}, {args.width}) + ReLU, batch 32, rule + Adam, on {DEVICE}"
+    )
     print("eager (compile=False, donated) against the hook answer + torch.optim.Adam")
     for layers in args.layers:
         r = eager(layers, args.width)
@@ -165,7 +184,8 @@ def main() -> None:
             f" vs {g['step_s'] * 1e3:7.3f} ms ({s['step_s'] / g['step_s']:4.2f}x)"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_scaling.json").write_text(json.dumps(results, indent=2))
+    name = "bench_scaling.json" if DEVICE.type == "cpu" else f"bench_scaling_{DEVICE.type}.json"
+    (args.out / name).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
