@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_per_sample.py
 	$(PY) benchmarks/bench_dist.py
 	$(PY) benchmarks/bench_longrun.py
+	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/bench_peers.py  # skipped unless: $(PY) -m pip install -e ".[bench]"
 
 clean:
