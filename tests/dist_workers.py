@@ -90,8 +90,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
 
 def run_ranks(mode: str, out: Path, world: int = 2, deadline_s: float = 180.0) -> float:
     """Spawn ``world`` workers and wait with a hard deadline; never leave strays."""
+    return spawn(worker, mode, out, world, deadline_s)
+
+
+def spawn(fn, mode: str, out: Path, world: int, deadline_s: float) -> float:
+    """``fn(rank, world, port, mode, out)`` on ``world`` spawned processes, waited for
+    with a hard deadline; a straggler is killed. Returns the seconds it took."""
     ctx = mp.start_processes(
-        worker,
+        fn,
         args=(world, free_port(), mode, str(out)),
         nprocs=world,
         join=False,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint
-from dist_workers import free_port
+from dist_workers import spawn
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -208,23 +208,4 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
 
 
 def run(mode: str, out: Path, world: int, deadline_s: float = 240.0) -> float:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(
-        worker,
-        args=(world, free_port(), mode, str(out)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    t0 = time.monotonic()
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() - t0 > deadline_s:
-                raise TimeoutError(f"distributed workers still running after {deadline_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    return time.monotonic() - t0
+    return spawn(worker, mode, out, world, deadline_s)

@@ -77,35 +77,30 @@ def test_accumulate_inside_and_outside_sharded(tmp_path):
                 torch.testing.assert_close(got[where][k], v, rtol=1e-12, atol=1e-12)
 
 
-def test_a_per_shard_rule_would_differ_and_is_caught(reference, tmp_path):
-    """With the statistics left per rank, rank 1 sees its rows of fc1 all-zero and
-    fills them with 1.0 instead of 0.5: the monitored norm after the rule moves."""
-    sw.run("per_shard", tmp_path, 2)
-    _, state = reference
-    want = state["after"].stats["fc1"]["norm"]
-    got = load(tmp_path, "per_shard", 1)["monitor"]["after"]["fc1"]["norm"]
-    assert abs(float(got) - float(want)) > 0.5
+# Each counterfactual undoes one piece of fg.sharded in the workers and shows that the
+# equality test above would then fail: the norm that the "after" monitor records moves.
+COUNTERFACTUALS = {
+    # Statistics left per rank: rank 1 sees its rows of fc1 all-zero and fills them
+    # with 1.0 instead of 0.5 (fc1's norm becomes the clip's 2.0 instead of ~1.34).
+    "per_shard": ("fc1", 0.5),
+    # nested_rule clips the seed rule's output. Combining all its statistics in one
+    # collective (as funcgrad's own rules are) would clip by the norm of the first,
+    # uncombined pass, where rank 1 filled its all-zero rows with 1.0.
+    "nested_batched": ("fc1", 0.1),
+    # custom_rule is no shard-safe Rule, so fg.per_group gathers fc2 before applying
+    # it; applied to each rank's rows instead, it computes another total.
+    "custom_on_shards": ("fc2", 1e-3),
+}
 
 
-def test_a_rule_with_nested_statistics_combines_them_one_by_one(reference, tmp_path):
-    """nested_rule clips the output of the seed rule. Combining all its statistics in
-    one collective (as funcgrad's own rules are) would clip by the norm that the first,
-    uncombined pass computed, where rank 1 filled its all-zero rows with 1.0."""
-    sw.run("nested_batched", tmp_path, 2)
-    _, state = reference
-    want = state["after"].stats["fc1"]["norm"]
-    got = load(tmp_path, "nested_batched", 0)["monitor"]["after"]["fc1"]["norm"]
-    assert abs(float(got) - float(want)) > 0.1
-
-
-def test_a_custom_rule_runs_on_the_whole_group(reference, tmp_path):
-    """custom_rule is no shard-safe Rule, so fg.per_group gathers fc2 before applying
-    it (the equality test above). Applied to each rank's rows instead, it differs."""
-    sw.run("custom_on_shards", tmp_path, 2)
-    _, state = reference
-    want = state["after"].stats["fc2"]["norm"]
-    got = load(tmp_path, "custom_on_shards", 0)["monitor"]["after"]["fc2"]["norm"]
-    assert abs(float(got) - float(want)) > 1e-3
+@pytest.mark.parametrize("mode", COUNTERFACTUALS)
+def test_without_each_piece_of_sharding_the_result_would_differ(mode, reference, tmp_path):
+    group, at_least = COUNTERFACTUALS[mode]
+    sw.run(mode, tmp_path, 2)
+    want = reference[1]["after"].stats[group]["norm"]
+    for rank in (0, 1):
+        got = load(tmp_path, mode, rank)["monitor"]["after"][group]["norm"]
+        assert abs(float(got) - float(want)) > at_least
 
 
 @pytest.mark.parametrize(
