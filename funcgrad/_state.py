@@ -111,6 +111,11 @@ def _plain_leaf(x: Any) -> Any:
 def state_dict(state: State) -> dict[str, Any]:
     """A plain nested dict of tensors for ``state``, for ``torch.save``.
 
+    The state of ``fg.sharded(tx)`` gives the same keys as ``tx``'s own, with each
+    row-split tensor as a ``DTensor`` of its whole shape: save that one with
+    ``torch.distributed.checkpoint`` (collective: call it on every rank), and load it
+    on any number of ranks, or unsharded (``docs/distributed.md``).
+
     Example:
         >>> import io, torch, funcgrad as fg
         >>> tx = fg.adam()
