@@ -8,6 +8,7 @@ all-zero while fc1 as a whole is not, and a 0-d parameter.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,8 @@ from torch._dynamo.utils import counters
 
 import funcgrad as fg
 from funcgrad import _rule_base, _shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 STEPS = 6
 BATCH = 12  # divisible by 1, 2 and 3 ranks
@@ -117,6 +120,74 @@ def train(m, tx, step, rank, world, steps=range(STEPS), params=None, state=None)
     return params, state
 
 
+# ---- real architectures (examples/): a small GPT with tied weights and masked AdamW,
+# and a ResNet with train-mode BatchNorm (buffers=True). Eager, float64, 3 steps.
+
+
+def gpt_run(rank: int, world: int, sharded: bool = True) -> dict[str, torch.Tensor]:
+    """examples/char_gpt.py's model, per-block rule + monitor + AdamW(mask=decays)."""
+    import char_gpt
+
+    torch.manual_seed(0)
+    m = char_gpt.CharGPT(vocab=11, block=8, dim=16, layers=2, heads=2, dropout=0.0).double()
+    groups = fg.group_by_module(m, depth=2)
+    tx = fg.chain(
+        fg.monitor(groups),
+        fg.per_group(fg.rules.zero_fix(atol=1e-12), groups),
+        fg.adamw(lr=1e-2, weight_decay=0.1, mask=char_gpt.decays),
+    )
+    tx = fg.sharded(tx) if sharded else tx
+
+    def loss(p, idx, tgt):
+        logits = fg.call(m, p, idx)
+        return nn.functional.cross_entropy(logits.reshape(-1, 11), tgt.reshape(-1))
+
+    step = fg.make_step(loss, tx, donate=True)
+    params = fg.params(m)
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(2)
+    n = 6 // world
+    for _ in range(3):
+        idx = torch.randint(0, 11, (6, 9), generator=g)
+        mine = idx[rank * n : (rank + 1) * n]
+        step(params, state, mine[:, :-1], mine[:, 1:])
+    return {k: v.clone() for k, v in params.items()}
+
+
+def resnet_run(rank: int, world: int, kind: str) -> dict[str, dict[str, torch.Tensor]]:
+    """examples/resnet_digits.py's model with train-mode BatchNorm (buffers=True): each
+    rank normalizes by its own half of the batch, so the reference is data parallelism
+    with replicated state (fg.all_reduce_mean), not one process."""
+    import resnet_digits
+
+    torch.manual_seed(0)
+    m = resnet_digits.ResNet(width=4).double()
+    groups = fg.group_by_module(m, types=(nn.Conv2d, nn.Linear))
+    rule_adam = [
+        fg.per_group(fg.rules.zero_fix(), groups),
+        fg.adamw(lr=1e-2, weight_decay=0.1, mask=resnet_digits.decays),
+    ]
+    tx = (
+        fg.sharded(fg.chain(*rule_adam))
+        if kind == "sharded"
+        else fg.chain(fg.all_reduce_mean(), *rule_adam)
+    )
+
+    def loss(p, b, x, y):
+        return nn.functional.cross_entropy(fg.call(m, p, x, buffers=b), y)
+
+    step = fg.make_step(loss, tx, donate=True, buffers=True)
+    params, bufs = fg.params(m), fg.buffers(m)
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(8, 1, 8, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (8,), generator=g)
+        n = 8 // world
+        step(params, state, bufs, x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
+    return {"params": dict(params), "buffers": dict(bufs)}
+
+
 def state_bytes(state) -> int:
     return sum(t.numel() * t.element_size() for _, t in fg._tree.tensor_paths(state))
 
@@ -149,6 +220,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             _rule_base.reads_input_only = _rule_base.is_shard_safe
         if mode == "custom_on_shards":  # the custom rule run on rows, not the whole group
             _rule_base.is_shard_safe = lambda fn: True
+        if mode == "architectures":
+            result["gpt"] = gpt_run(rank, world)
+            result["resnet"] = {
+                kind: resnet_run(rank, world, kind) for kind in ("sharded", "replicated")
+            }
+            torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
+            dist.barrier()
+            return
         if mode == "accumulate":  # fg.accumulate inside and outside fg.sharded
             for where in ("inside", "outside"):
                 m = model()

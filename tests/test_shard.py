@@ -65,6 +65,29 @@ def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp
             assert (got["graphs"], got["breaks"]) == (1, 0)
 
 
+def test_real_architectures_gpt_with_tied_weights_and_batchnorm_resnet(tmp_path):
+    """2 ranks, eager, float64, 3 steps. The small GPT (tied embedding and head, masked
+    AdamW, per-block rule with atol, monitor) equals one process on the full batch; the
+    ResNet (train-mode BatchNorm, buffers=True) equals replicated data parallelism,
+    params and each rank's own running statistics."""
+    sw.run("architectures", tmp_path, 2)
+    want = sw.gpt_run(0, 1, sharded=False)
+    assert "tok.weight" in want and "head.weight" not in want  # tied: listed once
+    for rank in (0, 1):
+        got = load(tmp_path, "architectures", rank)
+        for k, v in want.items():
+            torch.testing.assert_close(got["gpt"][k], v, rtol=1e-12, atol=1e-12)
+        res = got["resnet"]
+        for part in ("params", "buffers"):
+            for k, v in res["replicated"][part].items():
+                torch.testing.assert_close(res["sharded"][part][k], v, rtol=1e-12, atol=1e-12)
+    # The ranks saw different halves: their BatchNorm statistics differ (as in DDP).
+    r0, r1 = (load(tmp_path, "architectures", r)["resnet"]["sharded"] for r in (0, 1))
+    assert not torch.equal(
+        r0["buffers"]["stem.1.running_mean"], r1["buffers"]["stem.1.running_mean"]
+    )
+
+
 def test_accumulate_inside_and_outside_sharded(tmp_path):
     sw.run("accumulate", tmp_path, 2)
     m = sw.model()
