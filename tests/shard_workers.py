@@ -242,6 +242,15 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
             dist.barrier()
             return
+        if mode == "raise":
+            m = model()
+            tx = fg.sharded(make_tx(m))
+            params = fg.params(m)
+            state = tx.init(params)
+            if rank == 1:
+                raise RuntimeError("rank 1 failed on purpose")
+            x, y = batches()[0]
+            fg.make_step(loss_fn(m), tx, donate=True)(params, state, x[:6], y[:6])
         compiled = mode.startswith("compiled")
         backend = "inductor" if mode == "compiled_inductor" else "aot_eager"
         m = model()

@@ -129,6 +129,9 @@ def test_without_each_piece_of_sharding_the_result_would_differ(mode, reference,
 @pytest.mark.parametrize(
     ("mode", "world", "message"),
     [
+        # Rank 1 raises after init; rank 0's first collective sees it go (which of
+        # the two errors arrives first is a race: either means nobody hung).
+        ("raise", 2, r"rank 1 failed on purpose|Connection closed|Connection reset"),
         (
             "mismatch_model",
             2,
@@ -139,7 +142,9 @@ def test_without_each_piece_of_sharding_the_result_would_differ(mode, reference,
         ("mismatch_values", 2, r"rank 1 differs from rank 0 at the values of parameter"),
     ],
 )
-def test_mismatched_ranks_fail_at_init_naming_rank_and_entry(mode, world, message, tmp_path):
+def test_failing_or_mismatched_ranks_end_all_ranks_with_a_clear_error(
+    mode, world, message, tmp_path
+):
     t0 = time.monotonic()
     with pytest.raises(mp.ProcessRaisedException, match=message):
         sw.run(mode, tmp_path, world, deadline_s=60)
@@ -157,7 +162,8 @@ def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path):
 
 def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_path):
     """Save at step 4 on 2 ranks (torch.distributed.checkpoint), then continue: on the
-    same 2 ranks (uninterrupted), on 3 ranks, and unsharded in this process."""
+    same 2 ranks (uninterrupted), on 3 ranks, on 2 ranks again (resumed), and
+    unsharded in this process."""
     sw.run("save", tmp_path, 2)
     sw.run("load", tmp_path, 3)
     saved, resumed = load(tmp_path, "save", 0), load(tmp_path, "load", 2)
@@ -169,6 +175,12 @@ def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_pat
         torch.testing.assert_close(have[k], want[k], rtol=0, atol=0, equal_nan=True)
     for k, v in saved["params"].items():
         torch.testing.assert_close(resumed["params"][k], v, rtol=1e-12, atol=1e-12)
+    # Back on 2 ranks, the resumed run is the uninterrupted one, bit for bit.
+    sw.run("load", tmp_path, 2)
+    for rank in (0, 1):
+        again = load(tmp_path, "load", rank)
+        for k, v in load(tmp_path, "save", rank)["params"].items():
+            assert torch.equal(again["params"][k], v), k
     # One process, plain tx: DCP reads the whole tensors without a process group.
     m = sw.model()
     tx = sw.make_tx(m)
