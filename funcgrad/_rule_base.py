@@ -20,9 +20,11 @@ group, gathered from all ranks (correct, at the price of that group's all-gather
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol, TypeVar
 
 import torch
@@ -46,14 +48,33 @@ class Shards(Protocol):
     def batched(self, fn: Callable[[], T]) -> T: ...
 
 
-_ACTIVE: list[Shards | None] = []
-"""The innermost entry is in force: ``fg.sharded`` pushes its ranks while ``tx`` runs
-on shards, ``fg.per_group`` pushes ``None`` while a rule runs on a gathered group."""
+class _Active(threading.local):
+    """Per thread: two threads stepping at once must not see each other's ranks."""
+
+    def __init__(self) -> None:
+        self.stack: list[Shards | None] = []
+
+
+_ACTIVE = _Active()
+"""The innermost entry of ``_ACTIVE.stack`` is in force: ``fg.sharded`` pushes its
+ranks while ``tx`` runs on shards, ``fg.per_group`` pushes ``None`` while a rule runs
+on a gathered group (see :func:`active`)."""
 
 
 def shards() -> Shards | None:
     """The ranks over which statistics combine now, or ``None`` (one process)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    stack = _ACTIVE.stack
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def active(ranks: Shards | None) -> Iterator[None]:
+    """Statistics combine over ``ranks`` inside the block (``None``: locally)."""
+    _ACTIVE.stack.append(ranks)
+    try:
+        yield
+    finally:
+        _ACTIVE.stack.pop()
 
 
 def is_shard_safe(fn: object) -> bool:

@@ -187,11 +187,8 @@ class Ranks:
     ) -> dict[str, Tensor]:
         """``fn`` on the whole group gathered from all ranks; this rank's rows of it."""
         whole = self.gather(group)
-        _rb._ACTIVE.append(None)  # fn sees whole tensors: nothing more to combine
-        try:
+        with _rb.active(None):  # fn sees whole tensors: nothing more to combine
             out = fn(whole)
-        finally:
-            _rb._ACTIVE.pop()
         return {k: self.rows[k].local(v) for k, v in out.items()}
 
     def batched(self, fn: Callable[[], T]) -> T:
@@ -200,19 +197,13 @@ class Ranks:
         the partials is dead code), sum them all at once (in float64: counts stay
         exact, "any" becomes a count of ranks), and run again with the totals."""
         record = _Record(self)
-        _rb._ACTIVE.append(record)
-        try:
+        with _rb.active(record):
             fn()
-        finally:
-            _rb._ACTIVE.pop()
         if not record.partials:
             return fn()
         replay = _Replay(self, self.sum(torch.stack(record.partials)), record.kinds)
-        _rb._ACTIVE.append(replay)
-        try:
+        with _rb.active(replay):
             out = fn()
-        finally:
-            _rb._ACTIVE.pop()
         replay.done()
         return out
 
@@ -421,11 +412,8 @@ def sharded(
         ranks = layout.ranks
         rows = ranks.scatter_mean(grads)
         local_params = None if params is None else ranks.local(params)
-        _rb._ACTIVE.append(ranks)
-        try:
+        with _rb.active(ranks):
             updates, inner = tx.update(rows, state.inner, local_params)
-        finally:
-            _rb._ACTIVE.pop()
         return ranks.gather(updates), type(state)(inner)
 
     return GradientTransformation(init, update)

@@ -235,3 +235,28 @@ def test_statistics_outside_sharded_are_local():
     assert rb.shards() is None
     assert rb.group_size(g) == 3 and int(rb.zero_count(g)) == 1
     assert float(rb.group_norm(g)) == 5.0
+
+
+def test_the_ranks_in_force_are_per_thread():
+    """fg.sharded's ranks are in force only in the thread running its update."""
+    import threading
+
+    from funcgrad import _rule_base as rb
+
+    seen = []
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(5)
+        seen.append(rb.shards())
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    marker = object()
+    with rb.active(marker):  # type: ignore[arg-type]
+        inside.set()
+        done.wait(5)
+        assert rb.shards() is marker
+    t.join(5)
+    assert seen == [None] and rb.shards() is None
