@@ -168,16 +168,21 @@ class Ranks:
         self.world = dist.get_world_size(group)
         self.rows = {k: Rows(s, self.rank, self.world) for k, s in shapes.items()}
 
+    # In a group of one rank every collective is the identity: none is issued (the
+    # rows are the whole tensors), so fg.sharded there costs what tx costs.
+
     # ---- the statistics protocol of _rule_base.Shards
     def any(self, flag: Tensor) -> Tensor:
         import torch.distributed._functional_collectives as fc
 
+        if self.world == 1:
+            return flag
         return fc.all_reduce(flag.to(torch.int32), "max", self.pg) > 0
 
     def sum(self, partial: Tensor) -> Tensor:
         import torch.distributed._functional_collectives as fc
 
-        return fc.all_reduce(partial, "sum", self.pg)
+        return partial if self.world == 1 else fc.all_reduce(partial, "sum", self.pg)
 
     def numel(self, name: str) -> int:
         return math.prod(self.rows[name].shape)
@@ -196,6 +201,8 @@ class Ranks:
         each: run once recording the local partials (under compile, everything but
         the partials is dead code), sum them all at once (in float64: counts stay
         exact, "any" becomes a count of ranks), and run again with the totals."""
+        if self.world == 1:
+            return fn()
         record = _Record(self)
         with _rb.active(record):
             fn()
@@ -212,6 +219,8 @@ class Ranks:
         """The mean over ranks of ``grads``, this rank's rows: one reduce-scatter per dtype."""
         import torch.distributed._functional_collectives as fc
 
+        if self.world == 1:
+            return self.local(grads)
         out: dict[str, Tensor] = {}
         for names in _by_dtype(grads):
             blocks = torch.cat([self.rows[k].padded(grads[k]) for k in names], dim=1)
@@ -225,6 +234,8 @@ class Ranks:
         """The whole tensors from every rank's rows: one all-gather per dtype."""
         import torch.distributed._functional_collectives as fc
 
+        if self.world == 1:
+            return {k: self.rows[k].whole(p) for k, p in pieces.items()}
         out: dict[str, Tensor] = {}
         for names in _by_dtype(pieces):
             mine = torch.cat([self.rows[k].pad_local(pieces[k]) for k in names])
