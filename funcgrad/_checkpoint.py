@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_floating, describe
+from ._shard import contains_sharded
 from ._state import load_state_dict, state_dict
 from ._tree import commit, names_mismatch
 
@@ -56,6 +57,13 @@ def save_checkpoint(
         (tensor([1., 1.]), 1, {'epoch': 3})
     """
     check_floating(params, "fg.save_checkpoint: params")
+    if contains_sharded(state):
+        raise TypeError(
+            "fg.save_checkpoint: the state is sharded across ranks (fg.sharded), and one "
+            "process's file would hold only its rows. Save it with "
+            "torch.distributed.checkpoint: dcp.save({'params': params, 'state': "
+            "fg.state_dict(state)}, checkpoint_id=...) on every rank (docs/distributed.md)."
+        )
     payload = {
         "params": {k: v.detach().clone() for k, v in params.items()},
         "state": state_dict(state),

@@ -515,6 +515,17 @@ def whole_template(state: ShardedState) -> tuple[State, Callable[[State], Sharde
     return optree.tree_unflatten(spec, template), cut
 
 
+def contains_sharded(tree: Any) -> bool:
+    """Whether a state holds a :class:`ShardedState` anywhere."""
+    if isinstance(tree, ShardedState):
+        return True
+    if isinstance(tree, Mapping):
+        return any(contains_sharded(v) for v in tree.values())
+    if isinstance(tree, (tuple, list)):
+        return any(contains_sharded(v) for v in tree)
+    return False
+
+
 def full_tensors(tree: Any) -> Any:
     """Replace every ``DTensor`` in a nested dict by its whole tensor (collective)."""
     from torch.distributed.tensor import DTensor

@@ -170,6 +170,13 @@ CASES = [
         lambda: fg.sharded(fg.adam()).update(P, fg.ShardedState(_adam_state()), P),
     ),
     (
+        "fg.save_checkpoint: the state is sharded across ranks (fg.sharded)",
+        TypeError,
+        lambda: fg.save_checkpoint(
+            "/nonexistent/never-written", P, fg.ChainState((fg.ShardedState(_adam_state()),))
+        ),
+    ),
+    (
         "fg.state_dict: this ShardedState was not made by fg.sharded(...).init.",
         ValueError,
         lambda: fg.state_dict(fg.ShardedState(_adam_state())),
