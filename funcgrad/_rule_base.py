@@ -12,7 +12,9 @@ Every group statistic is therefore taken through the helpers here (:func:`any_of
 :func:`zero_count`, :func:`group_norm`, :func:`group_size`): each computes the
 partial statistic of the local rows and, while ``fg.sharded`` runs ``tx``, combines
 the partials across ranks with one small collective (``any`` as a max, counts and
-squared norms as sums, sizes from the global shapes). A rule or condition built only
+squared norms as sums, sizes from the global shapes); ``fg.per_group`` with funcgrad's
+rules and ``fg.monitor`` combine all their groups' statistics in one collective
+(:func:`batched`, :func:`reads_input_only`). A rule or condition built only
 from elementwise ops and these statistics is *shard-safe*: ``Rule(fn, name,
 shard_safe=True)``. Any other callable is applied by ``fg.per_group`` to the whole
 group, gathered from all ranks (correct, at the price of that group's all-gather).
@@ -57,8 +59,8 @@ class _Active(threading.local):
 
 _ACTIVE = _Active()
 """The innermost entry of ``_ACTIVE.stack`` is in force: ``fg.sharded`` pushes its
-ranks while ``tx`` runs on shards, ``fg.per_group`` pushes ``None`` while a rule runs
-on a gathered group (see :func:`active`)."""
+ranks while ``tx`` runs on shards, and ``None`` while a rule runs on a group gathered
+whole from all ranks (see :func:`active`)."""
 
 
 def shards() -> Shards | None:

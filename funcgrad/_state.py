@@ -126,10 +126,16 @@ def state_dict(state: State) -> dict[str, Any]:
         >>> int(loaded.count), torch.equal(loaded.mu["w"], state.mu["w"])
         (1, True)
     """
-    from ._shard import ShardedState, checkpoint_view
+    from ._shard import ShardedState, checkpoint_view, contains_sharded
 
     if isinstance(state, ShardedState):  # the whole shapes, as DTensors (collective)
         state = checkpoint_view(state)
+    elif contains_sharded(state):
+        raise TypeError(
+            "fg.state_dict: the state holds a ShardedState inside another transformation's "
+            "state; checkpoints describe sharded state only when fg.sharded is the "
+            "outermost transformation. Wrap the whole chain: fg.sharded(fg.chain(...))."
+        )
     accessors, leaves, _ = flatten(state)
     if len(accessors) == 1 and len(accessors[0]) == 0:  # the state is one leaf
         return {"_type": "value", "value": _plain_leaf(leaves[0])}

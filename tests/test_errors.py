@@ -177,6 +177,11 @@ CASES = [
         ),
     ),
     (
+        "fg.state_dict: the state holds a ShardedState inside another transformation's state",
+        TypeError,
+        lambda: fg.state_dict(fg.ChainState((fg.ShardedState(_adam_state()),))),
+    ),
+    (
         "fg.state_dict: this ShardedState was not made by fg.sharded(...).init.",
         ValueError,
         lambda: fg.state_dict(fg.ShardedState(_adam_state())),
