@@ -27,7 +27,7 @@ import math
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -36,6 +36,7 @@ from ._base import describe
 
 Group = Mapping[str, Tensor]
 T = TypeVar("T")
+Out = TypeVar("Out")
 
 
 class Shards(Protocol):
@@ -99,7 +100,32 @@ def batched(fn: Callable[[], T]) -> T:
     return fn() if ranks is None else ranks.batched(fn)
 
 
-class Condition:
+class _Named(Generic[Out]):
+    """What :class:`Condition` and :class:`Rule` share: the function, its name, and
+    ``shard_safe`` (``fn`` reads the group only through funcgrad's statistics, so
+    ``fg.sharded`` may run it on each rank's rows; see the module docstring)."""
+
+    def __init__(
+        self,
+        fn: Callable[[Group], Out],
+        name: str,
+        *,
+        shard_safe: bool = False,
+        _input_stats: bool = False,
+    ) -> None:
+        self._fn = fn
+        self._name = name
+        self._input_stats = _input_stats
+        self.shard_safe = shard_safe
+
+    def __call__(self, group: Group) -> Out:
+        return self._fn(group)
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+class Condition(_Named[Tensor]):
     """A named function ``group -> 0-d bool tensor``; combine with ``&``, ``|``, ``~``.
 
     Example:
@@ -111,27 +137,6 @@ class Condition:
         >>> c({"w": torch.tensor([0.0, float("nan")])})
         tensor(True)
     """
-
-    def __init__(
-        self,
-        fn: Callable[[Group], Tensor],
-        name: str,
-        *,
-        shard_safe: bool = False,
-        _input_stats: bool = False,
-    ) -> None:
-        self._fn = fn
-        self._name = name
-        self._input_stats = _input_stats
-        self.shard_safe = shard_safe
-        """True if ``fn`` reads the group only through funcgrad's statistics (then
-        ``fg.sharded`` evaluates it on each rank's rows; see the module docstring)."""
-
-    def __call__(self, group: Group) -> Tensor:
-        return self._fn(group)
-
-    def __repr__(self) -> str:
-        return self._name
 
     def _join(self, fn: Callable[[Group], Tensor], name: str, *others: object) -> Condition:
         safe = self.shard_safe and all(is_shard_safe(o) for o in others)
@@ -148,7 +153,7 @@ class Condition:
         return self._join(lambda g: ~self(g), f"~{self}")
 
 
-class Rule:
+class Rule(_Named[dict[str, Tensor]]):
     """A named rule ``group -> group`` (same keys, shapes and dtypes).
 
     ``shard_safe=True`` declares that ``fn`` is elementwise except for statistics
@@ -165,25 +170,6 @@ class Rule:
         >>> halve_dead({"w": torch.zeros(2)})
         {'w': tensor([0.5000, 0.5000])}
     """
-
-    def __init__(
-        self,
-        fn: Callable[[Group], dict[str, Tensor]],
-        name: str,
-        *,
-        shard_safe: bool = False,
-        _input_stats: bool = False,
-    ) -> None:
-        self._fn = fn
-        self._name = name
-        self._input_stats = _input_stats
-        self.shard_safe = shard_safe
-
-    def __call__(self, group: Group) -> dict[str, Tensor]:
-        return self._fn(group)
-
-    def __repr__(self) -> str:
-        return self._name
 
 
 def number(value: object, what: str, *, finite: bool = True) -> float:
