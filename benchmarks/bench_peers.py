@@ -31,16 +31,19 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import funcgrad as fg
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_step import interleaved
 
 SIZES = (256, 512, 512, 512, 10)
 
@@ -235,19 +238,9 @@ def opacus_main() -> dict[str, object]:
     if not all(d < 1e-9 for d in worst.values()):
         raise SystemExit("funcgrad and Opacus disagree: not timing different things")
     x, y = data()
-    fns = {"funcgrad": funcgrad_dp_step(torch_mlp(), compile=True)[0]}
-    fns |= {f"opacus {m}": opacus_dp_step(torch_mlp(), m)[0] for m in OPACUS_MODES}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        for _ in range(3):
-            f(x, y)
-    for _ in range(7):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            for _ in range(10):
-                f(x, y)
-            times[k].append((time.perf_counter() - t) / 10)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    steps = {"funcgrad": funcgrad_dp_step(torch_mlp(), compile=True)[0]}
+    steps |= {f"opacus {m}": opacus_dp_step(torch_mlp(), m)[0] for m in OPACUS_MODES}
+    med = interleaved({k: partial(f, x, y) for k, f in steps.items()}, 7, 10)
     print(f"per-sample clipping, opacus {opacus.__version__}, median of 7x10 steps:")
     for k, v in med.items():
         print(f"  {k:18s} {v * 1e3:8.3f} ms   funcgrad / this {med['funcgrad'] / v:5.2f}")
@@ -305,17 +298,7 @@ def jax_main() -> dict[str, object]:
         state["j"] = (p, s)
 
     fns = {"funcgrad": lambda: fstep(fparams, fstate, x, y), "jax+optax": run_jax}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        for _ in range(5):
-            f()
-    for _ in range(9):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            for _ in range(20):
-                f()
-            times[k].append((time.perf_counter() - t) / 20)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved(fns, 9, 20, warmup=5)
     with tempfile.TemporaryDirectory() as cache:
         cold = funcgrad_first_call({"TORCHINDUCTOR_CACHE_DIR": cache})
         warm = funcgrad_first_call({"TORCHINDUCTOR_CACHE_DIR": cache})

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from torch import nn
 import funcgrad as fg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from bench_step import interleaved
 from hook_answer import attach_hook_answer
 
 DEVICE = torch.device("cpu")
@@ -73,21 +73,6 @@ def fg_step(m: nn.Module, compile: bool):
     return step, params, state
 
 
-def medians(fns: dict[str, Callable[[], object]], repeats: int, number: int) -> dict[str, float]:
-    for f in fns.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            sync()
-            t = time.perf_counter()
-            for _ in range(number):
-                f()
-            sync()
-            times[k].append((time.perf_counter() - t) / number)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def eager(layers: int, width: int) -> dict[str, float]:
     x, y = batch(width)
     m_hook = model(layers, width)
@@ -105,7 +90,9 @@ def eager(layers: int, width: int) -> dict[str, float]:
     sync()
     first = time.perf_counter() - t
     number = max(1, 200 // layers)
-    t = medians({"hook": hook, "fg": lambda: step(params, state, x, y)}, 7, number)
+    t = interleaved(
+        {"hook": hook, "fg": lambda: step(params, state, x, y)}, 7, number, warmup=1, sync=sync
+    )
     return {"first_call_s": first, "hook_s": t["hook"], "fg_s": t["fg"]}
 
 
@@ -129,7 +116,10 @@ def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
     call()
     sync()
     first = time.perf_counter() - t
-    return {"first_call_s": first, "step_s": medians({"f": call}, 7, 20)["f"]}
+    return {
+        "first_call_s": first,
+        "step_s": interleaved({"f": call}, 7, 20, warmup=1, sync=sync)["f"],
+    }
 
 
 def run_child(layers: int, width: int, which: str) -> dict[str, float]:

@@ -53,18 +53,27 @@ RULE = fg.rules.zero_fix()
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, number: int
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    number: int,
+    warmup: int = 3,
+    sync: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
-    """Median seconds per call of each fn, timed round-robin so drift hits all alike."""
-    for f in fns.values():  # warm-up (and compile)
-        for _ in range(3):
+    """Median seconds per call of each fn, timed round-robin so drift hits all alike.
+
+    ``warmup`` calls of each first (and compile); ``sync`` waits for the device
+    before and after each timed batch (e.g. ``torch.cuda.synchronize``)."""
+    for f in fns.values():
+        for _ in range(warmup):
             f()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, f in fns.items():
+            sync()
             t = time.perf_counter()
             for _ in range(number):
                 f()
+            sync()
             times[name].append((time.perf_counter() - t) / number)
     return {k: statistics.median(v) for k, v in times.items()}
 
