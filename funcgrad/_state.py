@@ -20,6 +20,13 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, params_device
+from ._shard import (
+    ShardedState,
+    checkpoint_view,
+    contains_sharded,
+    full_tensors,
+    whole_template,
+)
 from ._tree import flatten, names_mismatch
 
 _PLAIN = (bool, int, float, str)
@@ -126,8 +133,6 @@ def state_dict(state: State) -> dict[str, Any]:
         >>> int(loaded.count), torch.equal(loaded.mu["w"], state.mu["w"])
         (1, True)
     """
-    from ._shard import ShardedState, checkpoint_view, contains_sharded
-
     if isinstance(state, ShardedState):  # the whole shapes, as DTensors (collective)
         state = checkpoint_view(state)
     elif contains_sharded(state):
@@ -201,8 +206,6 @@ def load_state_dict(
         ...
         KeyError: "fg.load_state_dict: the checkpoint does not match tx.init(params): ...
     """
-    from ._shard import ShardedState, full_tensors, whole_template
-
     template = tx.init(params)
     cut = None
     if isinstance(template, ShardedState):  # check and load whole, then keep our rows
