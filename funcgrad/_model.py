@@ -6,9 +6,10 @@ function ``(params, buffers, inputs) -> outputs`` through ``functional_call``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -151,9 +152,9 @@ PER_SAMPLE_BATCHNORM = (
 
 BUFFER_WRITE = (
     "the model wrote to one of its buffers in place during a torch.func transform "
-    "(grad/vmap). That is what BatchNorm does in train mode to its running statistics, "
-    "and torch.func cannot differentiate through a write to a tensor captured from "
-    "outside. In a training step, build it with fg.make_step(..., buffers=True): the "
+    "(grad/vmap) or a training step. That is what BatchNorm does in train mode to its "
+    "running statistics, and torch.func cannot differentiate through a write to a tensor "
+    "captured from outside. In a training step, build it with fg.make_step(..., buffers=True): the "
     "buffers then travel through the step as inputs and outputs "
     "(loss_fn(params, buffers, *batch) calls fg.call(model, params, x, buffers=buffers)). "
     "Outside make_step, pass buffers cloned inside the transformed function, or use "
@@ -176,6 +177,36 @@ def explain_buffer_write(err: BaseException, per_sample: bool = False) -> Runtim
     if "mutate a captured Tensor" in msg and BUFFER_WRITE not in msg:
         return RuntimeError(f"fg.call: {BUFFER_WRITE}\nOriginal error: {msg}")
     return None
+
+
+class _Watch(threading.local):
+    on = False
+
+
+_WATCH = _Watch()
+
+
+@contextlib.contextmanager
+def watching_buffers() -> Iterator[None]:
+    """While on (a training step's forward and backward), :func:`call` without
+    ``buffers=`` raises if the forward wrote any of the module's buffers.
+
+    ``torch.func.grad`` refuses such a write (train-mode BatchNorm updating its
+    running statistics) when the written value depends on the parameters; plain
+    autograd would let it through and the module's statistics would change silently.
+    The version counters make one rule for both: a step writes buffers only when
+    they travel through it (``make_step(buffers=True)``).
+    """
+    was = _WATCH.on
+    _WATCH.on = True
+    try:
+        yield
+    finally:
+        _WATCH.on = was
+
+
+def _versions(model: nn.Module) -> list[int]:
+    return [b._version for b in model.buffers()]
 
 
 def call(
@@ -213,8 +244,13 @@ def call(
     # the other's tensors (and leave plain tensors behind): forwards through one
     # module take turns. The backward, where most of a step's time goes, does not
     # touch the module and runs concurrently.
+    watch = _WATCH.on and buffers is None
     with _lock_of(model):
-        return _call(model, params, args, kwargs, buffers)
+        before = _versions(model) if watch else None
+        out = _call(model, params, args, kwargs, buffers)
+        if before is not None and _versions(model) != before:
+            raise RuntimeError(f"fg.call: {BUFFER_WRITE}")
+        return out
 
 
 _LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()

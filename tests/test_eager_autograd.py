@@ -1,0 +1,183 @@
+"""The eager step's plain-autograd gradients (after a first call through torch.func)
+against a loop that takes every step's gradients with torch.func.grad_and_value:
+equal bit for bit on the seed MLP, the small GPT (aux) and the BatchNorm ResNet
+(buffers=True); buffer writes refused on every call, not only the first."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+from conftest import assert_trees_close, seed_loss
+from test_buffers import TinyResNet, batches, make_model
+from test_step import dead_seed_model
+from torch import nn
+from torch.func import grad_and_value
+
+import funcgrad as fg
+import funcgrad._step as fg_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import char_gpt  # noqa: E402
+
+
+def reference(loss_fn, tx, params, state, batches_, has_aux=False, buffers=None):
+    """Each step by hand: torch.func gradients, tx.update, apply_updates."""
+    outs = []
+    for batch in batches_:
+        if buffers is None:
+            grads, out = grad_and_value(loss_fn, has_aux=has_aux)(params, *batch)
+        else:
+
+            def with_bufs(p, b, *xs):
+                local = {k: v.clone() for k, v in b.items()}
+                return loss_fn(p, local, *xs), local
+
+            grads, (out, buffers) = grad_and_value(with_bufs, has_aux=True)(
+                params, buffers, *batch
+            )
+        updates, state = tx.update(grads, state, params)
+        params = fg.apply_updates(params, updates)
+        outs.append(out)
+    return params, state, buffers, outs
+
+
+class CountingGrad:
+    """Counts the calls of torch.func.grad_and_value made by make_step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return grad_and_value(*a, **kw)
+
+
+@pytest.fixture
+def counted(monkeypatch) -> CountingGrad:
+    spy = CountingGrad()
+    monkeypatch.setattr(fg_step, "grad_and_value", spy)
+    return spy
+
+
+def seed_case():
+    model = dead_seed_model()
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam(lr=1e-2))
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(3, 1, generator=g, dtype=torch.float64),) for _ in range(5)]
+    return model, seed_loss(model), tx, data, False
+
+
+def gpt_case():
+    torch.manual_seed(0)
+    m = char_gpt.CharGPT(vocab=11, block=8, dim=16, layers=2, heads=2, dropout=0.0).double()
+    groups = fg.group_by_module(m, depth=2)
+    tx = fg.chain(
+        fg.monitor(groups),
+        fg.per_group(fg.rules.zero_fix(atol=1e-12), groups),
+        fg.adamw(lr=1e-2, weight_decay=0.1, mask=char_gpt.decays),
+    )
+
+    def loss(p, idx, tgt):
+        logits = fg.call(m, p, idx)
+        return nn.functional.cross_entropy(logits.reshape(-1, 11), tgt.reshape(-1)), logits
+
+    g = torch.Generator().manual_seed(2)
+    data = []
+    for _ in range(4):
+        idx = torch.randint(0, 11, (3, 9), generator=g)
+        data.append((idx[:, :-1], idx[:, 1:]))
+    return m, loss, tx, data, True
+
+
+@pytest.mark.parametrize("case", [seed_case, gpt_case])
+@pytest.mark.parametrize("donate", [False, True])
+def test_eager_step_equals_torch_func_steps_bit_for_bit(case, donate, counted):
+    model, loss, tx, data, has_aux = case()
+    params = {k: v.clone() for k, v in fg.params(model).items()}
+    want_p, want_s, _, want_out = reference(loss, tx, params, tx.init(params), data, has_aux)
+    calls_by_reference = counted.calls
+    step = fg.make_step(loss, tx, has_aux=has_aux, donate=donate)
+    params = {k: v.clone() for k, v in fg.params(model).items()}
+    state = tx.init(params)
+    for batch, out in zip(data, want_out, strict=True):
+        got = step(params, state, *batch)
+        params, state = got[0], got[1]
+        assert_trees_close(got[2:], out if has_aux else (out,))
+        assert not any(t.requires_grad for t in optree.tree_leaves(got) if isinstance(t, torch.Tensor))
+    assert_trees_close(params, want_p)
+    assert_trees_close(state, want_s)
+    # Only the first call went through torch.func; the others through plain autograd.
+    assert counted.calls - calls_by_reference == 1
+
+
+def test_eager_step_with_buffers_equals_torch_func_steps_bit_for_bit(counted):
+    model: TinyResNet = make_model()
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam(lr=0.01))
+
+    def loss(p, b, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x, buffers=b), y)
+
+    data = batches(4)
+    p0 = {k: v.clone() for k, v in fg.params(model).items()}
+    b0 = {k: v.clone() for k, v in fg.buffers(model).items()}
+    want_p, want_s, want_b, _ = reference(loss, tx, p0, tx.init(p0), data, buffers=b0)
+    before = counted.calls
+    step = fg.make_step(loss, tx, buffers=True, donate=True)
+    params, buffers = fg.params(model), fg.buffers(model)
+    state = tx.init(params)
+    for x, y in data:
+        params, state, buffers, _ = step(params, state, buffers, x, y)
+    assert_trees_close((params, state, buffers), (want_p, want_s, want_b))
+    assert counted.calls - before == 1
+    assert int(model.block.bn2.num_batches_tracked) == 4  # donated into the module
+
+
+def test_eager_step_refuses_a_buffer_write_after_the_first_call():
+    """A model switched to train mode after the first steps: the autograd path finds
+    the running-statistics write by the buffers' version counters, as torch.func did
+    on the first call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double().eval()
+    tx = fg.adam(lr=1e-2)
+
+    def loss(p, x):
+        return fg.call(model, p, x).square().mean()
+
+    step = fg.make_step(loss, tx, donate=True)
+    params = fg.params(model)
+    state = tx.init(params)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for _ in range(3):
+        step(params, state, x)
+    model.train()
+    with pytest.raises(RuntimeError, match=r"fg\.call: .*buffers=True"):
+        step(params, state, x)
+    assert int(state.count) == 3  # the refused step changed neither params nor state
+    with pytest.raises(RuntimeError, match=r"fg\.call: .*buffers=True"):
+        fg.make_step(loss, tx)(params, state, x)  # the first call (torch.func) says the same
+
+
+def test_eager_step_under_no_grad_with_an_unused_parameter(counted):
+    """torch.func.grad ignores an outer no_grad and gives zeros to unused parameters;
+    so does the autograd path."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 1), "unused": nn.Linear(3, 1)}).double()
+    tx = fg.adam(lr=1e-2)
+
+    def loss(p, x):
+        return fg.call(model["used"], {k[5:]: v for k, v in p.items() if k.startswith("used.")}, x).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    p0 = fg.params(model)
+    want_p, want_s, _, _ = reference(loss, tx, dict(p0), tx.init(p0), [(x,)] * 3)
+    step = fg.make_step(loss, tx)
+    params, state = dict(p0), tx.init(p0)
+    with torch.no_grad():
+        for _ in range(3):
+            params, state, _ = step(params, state, x)
+    assert_trees_close((params, state), (want_p, want_s))
+    assert torch.equal(state.mu["unused.weight"], torch.zeros(1, 3, dtype=torch.float64))
