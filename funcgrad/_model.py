@@ -52,11 +52,28 @@ def buffers(model: nn.Module) -> dict[str, Tensor]:
     return dict(model.named_buffers())
 
 
-def _all_param_names(model: nn.Module) -> tuple[set[str], set[str]]:
-    """(every parameter name, tied aliases included; the trainable canonical names)."""
-    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    return every, trainable
+def _walk(model: nn.Module) -> tuple[set[str], set[str], list[Tensor]]:
+    """In one pass over the modules: every parameter name (tied aliases included), the
+    trainable names as ``named_parameters()`` gives them (a tied parameter under its
+    first name), and the buffers (each once)."""
+    every: set[str] = set()
+    trainable: set[str] = set()
+    seen: set[int] = set()
+    bufs: dict[int, Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for n, p in module._parameters.items():
+            if p is None:
+                continue
+            every.add(dot + n)
+            if id(p) not in seen:
+                seen.add(id(p))
+                if p.requires_grad:
+                    trainable.add(dot + n)
+        for b in module._buffers.values():
+            if b is not None:
+                bufs.setdefault(id(b), b)
+    return every, trainable, list(bufs.values())
 
 
 def _close(name: str, known: set[str]) -> str:
@@ -78,9 +95,10 @@ def _reject_unknown(
         )
 
 
-def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
-    """Unknown names and missing trainable names are errors, never silently ignored."""
-    every, trainable = _all_param_names(model)
+def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> list[Tensor]:
+    """Unknown names and missing trainable names are errors, never silently ignored.
+    Returns the model's buffers (found in the same pass)."""
+    every, trainable, bufs = _walk(model)
     _reject_unknown(model, given, every, what, "parameter", "Use the keys of fg.params(model).")
     missing = sorted(trainable - given.keys())
     if missing:
@@ -89,6 +107,7 @@ def check_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
             "fg.params(model); to freeze a parameter, call p.requires_grad_(False) on it "
             "before taking fg.params(model)."
         )
+    return bufs
 
 
 def check_buffer_names(model: nn.Module, given: Mapping[str, Any], what: str) -> None:
@@ -205,10 +224,6 @@ def watching_buffers() -> Iterator[None]:
         _WATCH.on = was
 
 
-def _versions(model: nn.Module) -> list[int]:
-    return [b._version for b in model.buffers()]
-
-
 def call(
     model: nn.Module,
     params: Mapping[str, Tensor],
@@ -236,7 +251,7 @@ def call(
         )
     # Plain Python over names: eagerly it runs every call, under torch.compile once,
     # while the step is traced (a failure there is re-run eagerly by make_step).
-    check_names(model, params, "fg.call")
+    bufs = check_names(model, params, "fg.call")
     if torch.compiler.is_compiling():  # traced: no module attribute is swapped at run time
         return _call(model, params, args, kwargs, buffers)
     # functional_call swaps the module's attributes for the given tensors while the
@@ -246,9 +261,9 @@ def call(
     # touch the module and runs concurrently.
     watch = _WATCH.on and buffers is None
     with _lock_of(model):
-        before = _versions(model) if watch else None
+        before = [b._version for b in bufs] if watch else None
         out = _call(model, params, args, kwargs, buffers)
-        if before is not None and _versions(model) != before:
+        if before is not None and [b._version for b in bufs] != before:
             raise RuntimeError(f"fg.call: {BUFFER_WRITE}")
         return out
 
