@@ -372,10 +372,14 @@ def make_step(
     checks = _Checks(loss_fn, tx, per_sample, donate, buffers)
     compiled = isinstance(compile, dict) or bool(compile)
 
-    def compute(grad_fn: Callable[..., Any], params: Params, state: State, *args: Any) -> Any:
+    def compute(
+        grad_fn: Callable[..., Any], params: Params, state: State, *args: Any, apply: bool = True
+    ) -> Any:
+        """``(new params, state[, buffers]), grads, (loss[, aux])``; with ``apply=False``
+        the updates in place of the new params."""
         grads, loss, new_bufs, aux = grad_fn(params, *args)
         updates, new_state = tx.update(grads, state, params)
-        new: tuple[Any, ...] = (apply_updates(params, updates), new_state)
+        new: tuple[Any, ...] = (apply_updates(params, updates) if apply else updates, new_state)
         new += (new_bufs,) if buffers else ()
         return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
 
@@ -385,13 +389,13 @@ def make_step(
 
     # Eagerly, once a call with these inputs' structure went through torch.func (its
     # checks give the clear errors): plain autograd, the same values, faster.
-    fast_step: Callable[..., tuple[Any, ...]] | None = None
-    if not compiled and per_sample is None:
-        autograd_gradients = _autograd_gradients(loss_fn, has_aux, buffers)
+    fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
 
-        def fast_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
-            new, _, rest = compute(autograd_gradients, params, state, *args)
-            return new + rest
+    def eager_step(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        """Donated, it returns the updates (added to the params at commit, in place)."""
+        grad_fn = gradients if fresh or fast is None else fast
+        new, _, rest = compute(grad_fn, params, state, *args, apply=not donate)
+        return new + rest
 
     def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         new, grads, rest = compute(gradients, params, state, *args)
@@ -412,7 +416,7 @@ def make_step(
         try:
             if not compiled:
                 with watching_buffers():
-                    out = (impl if fresh or fast_step is None else fast_step)(params, state, *args)
+                    out = eager_step(fresh, params, state, *args)
             elif not in_graph:
                 out = impl(params, state, *args)
             else:
@@ -427,8 +431,9 @@ def make_step(
             raise better from err
         if not donate:
             return out
+        # Eager and donated: out starts with the updates.
         given = (params, state, args[0]) if buffers else (params, state)
-        commit(given, out[: len(given)])
+        commit(given[1:], out[1 : len(given)], add_to=params, add=out[0])
         return given + out[len(given) :]
 
     return step

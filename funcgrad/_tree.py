@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import optree
@@ -86,20 +86,31 @@ def sigint_held() -> Iterator[None]:
             previous(*caught[0])
 
 
-def commit(dst: Any, src: Any) -> None:
+def commit(
+    dst: Any, src: Any, add_to: Mapping[str, Tensor] | None = None, add: Any = None
+) -> None:
     """Write every tensor of ``src`` into the matching one of ``dst``, all or nothing.
 
     One ``torch._foreach_copy_`` over all leaves (dict entries matched by key), with
     Ctrl-C held back until it is done: an interrupted training step is either not
-    applied at all or applied whole. Eager code only (after the compiled step ran).
+    applied at all or applied whole. With ``add_to`` and ``add`` (parameters and their
+    updates, each cast to the parameter's dtype), ``add_to[k] += add[k]`` in the same
+    block: what ``apply_updates`` and a copy would write, bit for bit, in one pass.
+    Eager code only (after the compiled step ran).
     """
     pairs: list[tuple[Tensor, Tensor]] = []
     pytree.tree_map(lambda d, s: pairs.append((d, s)), dst, src)
     pairs = [(d, s) for d, s in pairs if d is not s]
-    if not pairs:
+    targets = list(add_to.values()) if add_to is not None else []
+    if not pairs and not targets:
         return
     with sigint_held(), torch.no_grad():
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        if targets:
+            assert add_to is not None and add is not None
+            steps = [u if (u := add[k]).dtype == p.dtype else u.to(p.dtype) for k, p in add_to.items()]
+            torch._foreach_add_(targets, steps)
 
 
 def names_mismatch(
