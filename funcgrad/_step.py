@@ -82,6 +82,9 @@ def _gradients(
     return averaged
 
 
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
+
 
 def _autograd_gradients(
     loss_fn: LossFn, has_aux: bool, buffers: bool
@@ -107,12 +110,15 @@ def _autograd_gradients(
                 out = loss_fn(leaves, local, *args[1:])
             else:
                 out = loss_fn(leaves, *args)
-            loss, aux = out if has_aux else (out, None)
-            g = torch.autograd.grad(loss, tuple(leaves.values()), materialize_grads=True)
-        detach = (lambda t: t.detach() if isinstance(t, Tensor) else t)
+            loss = out[0] if has_aux else out
+            if loss.requires_grad:
+                g = torch.autograd.grad(loss, tuple(leaves.values()), materialize_grads=True)
+            else:  # a loss that does not depend on the parameters: zeros, as torch.func
+                g = tuple(torch.zeros_like(p) for p in leaves.values())
         grads = dict(zip(leaves, g, strict=True))
         new_bufs = {k: b.detach() for k, b in local.items()} if buffers else None
-        return grads, loss.detach(), new_bufs, optree.tree_map(detach, aux, none_is_leaf=True)
+        aux = optree.tree_map(_detached, out[1], none_is_leaf=True) if has_aux else None
+        return grads, loss.detach(), new_bufs, aux
 
     return plain
 

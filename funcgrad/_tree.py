@@ -86,9 +86,7 @@ def sigint_held() -> Iterator[None]:
             previous(*caught[0])
 
 
-def commit(
-    dst: Any, src: Any, add_to: Mapping[str, Tensor] | None = None, add: Any = None
-) -> None:
+def commit(dst: Any, src: Any, add_to: Mapping[str, Tensor] | None = None, add: Any = None) -> None:
     """Write every tensor of ``src`` into the matching one of ``dst``, all or nothing.
 
     One ``torch._foreach_copy_`` over all leaves (dict entries matched by key), with
@@ -109,7 +107,9 @@ def commit(
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         if targets:
             assert add_to is not None and add is not None
-            steps = [u if (u := add[k]).dtype == p.dtype else u.to(p.dtype) for k, p in add_to.items()]
+            steps = [
+                u if (u := add[k]).dtype == t.dtype else u.to(t.dtype) for k, t in add_to.items()
+            ]
             torch._foreach_add_(targets, steps)
 
 

@@ -21,7 +21,7 @@ import funcgrad as fg
 import funcgrad._step as fg_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import char_gpt  # noqa: E402
+import char_gpt
 
 
 def reference(loss_fn, tx, params, state, batches_, has_aux=False, buffers=None):
@@ -36,9 +36,7 @@ def reference(loss_fn, tx, params, state, batches_, has_aux=False, buffers=None)
                 local = {k: v.clone() for k, v in b.items()}
                 return loss_fn(p, local, *xs), local
 
-            grads, (out, buffers) = grad_and_value(with_bufs, has_aux=True)(
-                params, buffers, *batch
-            )
+            grads, (out, buffers) = grad_and_value(with_bufs, has_aux=True)(params, buffers, *batch)
         updates, state = tx.update(grads, state, params)
         params = fg.apply_updates(params, updates)
         outs.append(out)
@@ -107,7 +105,9 @@ def test_eager_step_equals_torch_func_steps_bit_for_bit(case, donate, counted):
         got = step(params, state, *batch)
         params, state = got[0], got[1]
         assert_trees_close(got[2:], out if has_aux else (out,))
-        assert not any(t.requires_grad for t in optree.tree_leaves(got) if isinstance(t, torch.Tensor))
+        assert not any(
+            t.requires_grad for t in optree.tree_leaves(got) if isinstance(t, torch.Tensor)
+        )
     assert_trees_close(params, want_p)
     assert_trees_close(state, want_s)
     # Only the first call went through torch.func; the others through plain autograd.
@@ -169,7 +169,9 @@ def test_eager_step_under_no_grad_with_an_unused_parameter(counted):
     tx = fg.adam(lr=1e-2)
 
     def loss(p, x):
-        return fg.call(model["used"], {k[5:]: v for k, v in p.items() if k.startswith("used.")}, x).sum()
+        return fg.call(
+            model["used"], {k[5:]: v for k, v in p.items() if k.startswith("used.")}, x
+        ).sum()
 
     x = torch.randn(4, 3, dtype=torch.float64)
     p0 = fg.params(model)
@@ -181,3 +183,15 @@ def test_eager_step_under_no_grad_with_an_unused_parameter(counted):
             params, state, _ = step(params, state, x)
     assert_trees_close((params, state), (want_p, want_s))
     assert torch.equal(state.mu["unused.weight"], torch.zeros(1, 3, dtype=torch.float64))
+
+
+def test_eager_step_with_a_loss_that_ignores_the_parameters(counted):
+    """No autograd graph at all: zero gradients, as torch.func.grad gives."""
+    params = {"w": torch.ones(2, dtype=torch.float64)}
+    tx = fg.adam(lr=0.1)
+    step = fg.make_step(lambda p, x: x.sum(), tx)
+    state = tx.init(params)
+    for _ in range(3):
+        params, state, loss = step(params, state, torch.ones(3, dtype=torch.float64))
+    assert torch.equal(params["w"], torch.ones(2, dtype=torch.float64)) and float(loss) == 3.0
+    assert int(state.count) == 3 and counted.calls == 1
