@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import funcgrad as fg
+import funcgrad._step as fg_internal_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from bench_step import interleaved
@@ -89,11 +90,39 @@ def eager(layers: int, width: int) -> dict[str, float]:
     step(params, state, x, y)
     sync()
     first = time.perf_counter() - t
+    # The same step with every call's gradients through torch.func (as before the
+    # eager autograd path): what that path saves, side by side.
+    autograd_path = fg_internal_step._autograd_gradients
+    fg_internal_step._autograd_gradients = (  # type: ignore[assignment]
+        lambda loss_fn, has_aux, buffers: fg_internal_step._gradients(
+            loss_fn, has_aux, None, buffers
+        )
+    )
+    try:
+        func_step, func_params, func_state = fg_step(model(layers, width), compile=False)
+    finally:
+        fg_internal_step._autograd_gradients = autograd_path
+    func_step(func_params, func_state, x, y)  # as many steps as `step` has taken
     number = max(1, 200 // layers)
     t = interleaved(
-        {"hook": hook, "fg": lambda: step(params, state, x, y)}, 7, number, warmup=1, sync=sync
+        {
+            "hook": hook,
+            "fg": lambda: step(params, state, x, y),
+            "fg_func": lambda: func_step(func_params, func_state, x, y),
+        },
+        7,
+        number,
+        warmup=1,
+        sync=sync,
     )
-    return {"first_call_s": first, "hook_s": t["hook"], "fg_s": t["fg"]}
+    same = all(torch.equal(params[k], func_params[k]) for k in params)
+    return {
+        "first_call_s": first,
+        "hook_s": t["hook"],
+        "fg_s": t["fg"],
+        "fg_torch_func_s": t["fg_func"],
+        "bit_equal": same,
+    }
 
 
 def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
@@ -162,6 +191,8 @@ def main() -> None:
         print(
             f"  L={layers:5d}  first call {r['first_call_s']:6.2f} s   step {r['fg_s'] * 1e3:8.2f}"
             f" ms  hook {r['hook_s'] * 1e3:8.2f} ms  ratio {r['fg_s'] / r['hook_s']:5.2f}x"
+            f"  (all gradients by torch.func: {r['fg_torch_func_s'] / r['hook_s']:5.2f}x;"
+            f" params {'equal' if r['bit_equal'] else 'DIFFER'} bit for bit)"
         )
     print("compiled, cold (fresh process, empty caches): step against grad-only")
     for layers in args.compile_layers:
