@@ -36,6 +36,7 @@ from ._base import (
     shardable,
 )
 from ._fusion import realize
+from ._scratch import BIG, Scratch, borrowing
 from ._state import invariants
 from ._tree import names_mismatch
 
@@ -302,12 +303,26 @@ def _foreach_adam(
     (tested against the per-tensor loop, which is what ``torch.compile`` traces)."""
     fe = torch
     by_dtype: dict[torch.dtype, list[str]] = {}
-    for k in grads:
-        by_dtype.setdefault(state.mu[k].dtype, []).append(k)
+    pooled: list[str] = []  # large CPU tensors inside a donated eager step: see _scratch
+    for k, grad in grads.items():
+        if grad.numel() >= BIG and borrowing(grad) is not None:
+            pooled.append(k)
+        else:
+            by_dtype.setdefault(state.mu[k].dtype, []).append(k)
     updates: Params = {}
     mu: Params = {}
     nu: Params = {}
     nu_max: Params = {}
+    for k in pooled:
+        scratch = borrowing(grads[k])
+        assert scratch is not None
+        out = _adam_into(
+            scratch, grads[k], state, k, params, decay.get(k, False), neg_step64, inv_bc2_64,
+            lr_decay64, hp,
+        )  # fmt: skip
+        updates[k], mu[k], nu[k] = out[:3]
+        if hp.amsgrad:
+            nu_max[k] = out[3]
     for sdt, keys in by_dtype.items():
         dt = torch.float32 if sdt in _HALF else sdt
         neg_step, inv_bc2, lr_decay = _to(neg_step64, dt), _to(inv_bc2_64, dt), _to(lr_decay64, dt)
@@ -348,6 +363,49 @@ def _foreach_adam(
         {k: nu[k] for k in order},
         {k: nu_max[k] for k in order} if hp.amsgrad else {},
     )
+
+
+def _adam_into(
+    scratch: Scratch,
+    grad: Tensor,
+    state: AdamState,
+    k: str,
+    params: Params | None,
+    decays: bool,
+    neg_step64: Tensor,
+    inv_bc2_64: Tensor,
+    lr_decay64: Tensor,
+    hp: _Hyper,
+) -> tuple[Tensor, ...]:
+    """One tensor of :func:`_foreach_adam`, the same operations in the same order, each
+    writing into a buffer borrowed from ``scratch`` (``out=``) instead of a new one:
+    ``(update, mu, nu[, nu_max])``."""
+    sdt = state.mu[k].dtype
+    dt = torch.float32 if sdt in _HALF else sdt
+    g = _to(grad, dt)
+    if hp.maximize:
+        g = torch.neg(g, out=scratch.take(g, dt))
+    if decays and not hp.decoupled:
+        assert params is not None
+        wd = torch.mul(params[k].to(dt), hp.weight_decay, out=scratch.take(g, dt))
+        g = torch.add(g, wd, out=scratch.take(g, dt))
+    m = torch.lerp(_to(state.mu[k], dt), g, 1.0 - hp.b1, out=scratch.take(g, dt))
+    v = torch.mul(_to(state.nu[k], dt), hp.b2, out=scratch.take(g, dt))
+    sq = torch.mul(g, 1.0 - hp.b2, out=scratch.take(g, dt))
+    sq.mul_(g)
+    v.add_(sq)
+    out: tuple[Tensor, ...] = (_to(m, sdt), _to(v, sdt))
+    if hp.amsgrad:
+        v = torch.maximum(_to(state.nu_max[k], dt), v, out=scratch.take(g, dt))
+        out += (_to(v, sdt),)
+    denom = torch.sqrt(v, out=sq)  # sq is not read again
+    denom.mul_(_to(inv_bc2_64, dt)).add_(hp.eps)
+    u = torch.div(m, denom, out=scratch.take(g, dt))
+    u.mul_(_to(neg_step64, dt))
+    if decays and hp.decoupled:
+        assert params is not None
+        u.sub_(torch.mul(params[k].to(dt), _to(lr_decay64, dt), out=denom))
+    return (u, *out)
 
 
 def adam(

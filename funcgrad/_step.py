@@ -24,7 +24,9 @@ second pass over everything (measured: 7.5x the update-heavy step).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +38,7 @@ from torch.func import grad_and_value
 from ._base import GradientTransformation, Params, State, apply_updates
 from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write, watching_buffers
 from ._per_sample import check_batch, vmapped_grads
+from ._scratch import Scratch, lending
 from ._tree import commit, copy_into, sigint_held, tensor_paths, tree_map
 
 LossFn = Callable[..., Any]
@@ -417,11 +420,17 @@ def make_step(
     body = donated_step if in_graph else pure_step
     impl = torch.compile(body, **{**options, "fullgraph": True}) if compiled else body
 
+    # Eager and donated: the results are dead once committed, and large CPU ones are
+    # kept for the next step (funcgrad/_scratch.py), one scratch per thread.
+    per_thread = threading.local()
+
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         fresh = checks(params, state, args)
+        scratch: Scratch = per_thread.__dict__.setdefault("scratch", Scratch())
         try:
             if not compiled:
-                with watching_buffers():
+                lend = lending(scratch) if donate else contextlib.nullcontext()
+                with watching_buffers(), lend:
                     out = eager_step(fresh, params, state, *args)
             elif not in_graph:
                 out = impl(params, state, *args)
@@ -429,6 +438,7 @@ def make_step(
                 with sigint_held():  # Ctrl-C cannot land between two of its kernels
                     return impl(params, state, *args)
         except Exception as err:
+            scratch.forget()
             better: Exception | None = explain_buffer_write(err, per_sample=per_sample is not None)
             if better is None and compiled:
                 better = _explain_compile_failure(err, lambda: pure_step(params, state, *args))
@@ -440,6 +450,7 @@ def make_step(
         # Eager and donated: out starts with the updates.
         given = (params, state, args[0]) if buffers else (params, state)
         commit(given[1:], out[1 : len(given)], add_to=params, add=out[0])
+        scratch.reclaim()
         return given + out[len(given) :]
 
     return step

@@ -265,14 +265,18 @@ MASK = {"a.weight": True, "a.bias": False, "b.weight": True, "scalar": False}
 def test_eager_multi_tensor_path_equals_the_per_tensor_loop_bit_for_bit(
     dtype, wd, amsgrad, maximize, decoupled, monkeypatch
 ):
-    """Eagerly Adam runs on lists (torch._foreach_*); traced, tensor by tensor. Both
-    must compute the same bits: 10 steps, mixed dtypes, a decay mask, a schedule."""
-    from funcgrad import _adam
+    """Eagerly Adam runs on lists (torch._foreach_*), or, for large tensors inside a
+    donated eager step, tensor by tensor into buffers kept from the previous step
+    (funcgrad/_scratch.py); traced, tensor by tensor. All must compute the same bits:
+    10 steps, mixed dtypes, a decay mask, a schedule."""
+    from funcgrad import _adam, _scratch
 
     make = fg.adamw if decoupled else fg.adam
+    scratch = _scratch.Scratch()
 
-    def run(multi: bool):
-        monkeypatch.setattr(_adam, "_multi_tensor", lambda: multi)
+    def run(mode: str):
+        monkeypatch.setattr(_adam, "_multi_tensor", lambda: mode != "loop")
+        monkeypatch.setattr(_adam, "BIG", 0 if mode == "borrowed" else _scratch.BIG)
         params = init_params(dtype)
         params["f64"] = torch.linspace(-1, 1, 7, dtype=torch.float64)  # a second dtype
         mask = {**MASK, "f64": True}
@@ -283,15 +287,23 @@ def test_eager_multi_tensor_path_equals_the_per_tensor_loop_bit_for_bit(
         state = tx.init(params)
         outs = []
         for step in range(10):
-            updates, state = tx.update(grads_at(params, step), state, params)
+            with _scratch.lending(scratch):
+                updates, state = tx.update(grads_at(params, step), state, params)
+            # What make_step's commit does: copy the results out, then give the
+            # buffers back (the next step writes into them again).
+            updates, state = torch.utils._pytree.tree_map(torch.clone, (updates, state))
+            scratch.reclaim()
             params = fg.apply_updates(params, updates)
             outs.append((updates, state))
         return outs
 
-    for (u1, s1), (u2, s2) in zip(run(True), run(False), strict=True):
-        for a, b in zip(
-            torch.utils._pytree.tree_leaves((u1, s1)),
-            torch.utils._pytree.tree_leaves((u2, s2)),
-            strict=True,
-        ):
-            assert a.dtype == b.dtype and torch.equal(a, b)
+    want = run("loop")
+    for mode in ("multi", "borrowed"):
+        for (u1, s1), (u2, s2) in zip(run(mode), want, strict=True):
+            for a, b in zip(
+                torch.utils._pytree.tree_leaves((u1, s1)),
+                torch.utils._pytree.tree_leaves((u2, s2)),
+                strict=True,
+            ):
+                assert a.dtype == b.dtype and torch.equal(a, b), mode
+    assert scratch.free  # the borrowed run did borrow

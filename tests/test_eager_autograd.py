@@ -1,4 +1,4 @@
-"""The eager step's plain-autograd gradients (after a first call through torch.func)
+"""The eager step's fast paths: plain-autograd gradients (after a first call through torch.func)
 against a loop that takes every step's gradients with torch.func.grad_and_value:
 equal bit for bit on the seed MLP, the small GPT (aux) and the BatchNorm ResNet
 (buffers=True); buffer writes refused on every call, not only the first."""
@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import grad_and_value
 
 import funcgrad as fg
+import funcgrad._scratch as fg_scratch
 import funcgrad._step as fg_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -195,3 +196,59 @@ def test_eager_step_with_a_loss_that_ignores_the_parameters(counted):
         params, state, loss = step(params, state, torch.ones(3, dtype=torch.float64))
     assert torch.equal(params["w"], torch.ones(2, dtype=torch.float64)) and float(loss) == 3.0
     assert int(state.count) == 3 and counted.calls == 1
+
+
+def test_eager_donated_step_with_borrowed_buffers_equals_the_reference(monkeypatch):
+    """Large CPU parameters: the donated eager step's Adam writes into buffers kept
+    from the previous step (funcgrad/_scratch.py). Against the torch.func loop, bit
+    for bit, over steps that include a skipped NaN batch, a forward that raises and a
+    transformation that raises after Adam wrote its borrowed buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 3))
+    model = model.double()
+    assert model[2].weight.numel() >= fg_scratch.BIG > model[0].weight.numel()
+    fail = {"now": False}
+
+    def after_adam(updates, params):
+        if fail["now"]:
+            raise ValueError("boom after Adam")
+        return updates
+
+    def make(check):
+        return fg.skip_if_nonfinite(
+            fg.chain(
+                fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)),
+                fg.adamw(lr=1e-2, weight_decay=0.1, amsgrad=True, mask=lambda n, p: p.ndim > 1),
+                fg.stateless(check),
+            )
+        )
+
+    def loss(p, x):
+        return fg.call(model, p, x).square().mean()
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 8, generator=g, dtype=torch.float64),) for _ in range(6)]
+    data[2] = (torch.full((5, 8), float("nan"), dtype=torch.float64),)
+    p0 = {k: v.clone() for k, v in fg.params(model).items()}
+    ref_tx = make(lambda u, p: u)
+    want_p, want_s, _, _ = reference(loss, ref_tx, p0, ref_tx.init(p0), data)
+
+    taken = []
+    take = fg_scratch.Scratch.take
+    monkeypatch.setattr(fg_scratch.Scratch, "take", lambda *a: taken.append(1) or take(*a))
+    tx = make(after_adam)
+    step = fg.make_step(loss, tx, donate=True)
+    params = fg.params(model)
+    state = tx.init(params)
+    for i, batch in enumerate(data):
+        if i == 3:
+            with pytest.raises(RuntimeError, match="cannot be multiplied"):
+                step(params, state, torch.ones(5, 9, dtype=torch.float64))
+            fail["now"] = True
+            with pytest.raises(ValueError, match="boom after Adam"):
+                step(params, state, *batch)
+            fail["now"] = False
+        step(params, state, *batch)
+    assert_trees_close((params, state), (want_p, want_s))
+    assert int(state.skipped) == 1
+    assert len(taken) >= 7 * 5  # 7 calls reach Adam; 5 buffers each (AdamW, amsgrad)

@@ -1,0 +1,77 @@
+"""Buffers lent to one eager, donated training step and taken back after its commit.
+
+On the CPU a fresh tensor of more than 128 KiB is a fresh ``mmap``: the first write
+to each page faults. An eager Adam update that allocates its results every step (new
+moments, the update, temporaries) measured 7.2 ms on the 660k-parameter MLP, against
+1.3 ms for the same operations writing into buffers kept from the previous step. A
+donated step copies every result into the given tensors at commit, after which the
+results are dead: :class:`Scratch` keeps them for the next step. Only code that runs
+inside :func:`lending` (the eager donated step) borrows, and only for CPU tensors
+(CUDA's caching allocator already reuses memory). The price: the borrowed buffers
+stay allocated between steps (Adam: four per large parameter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+BIG = 32768
+"""Entries from which a tensor is borrowed rather than allocated (128 KiB of float32,
+glibc's default ``mmap`` threshold); smaller ones stay on the multi-tensor path."""
+
+
+class Scratch:
+    """Free buffers by (shape, dtype, device), and those lent during the current step."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
+        self.lent: list[Tensor] = []
+
+    def take(self, like: Tensor, dtype: torch.dtype) -> Tensor:
+        """An uninitialized tensor shaped like ``like``, of ``dtype``."""
+        key = (tuple(like.shape), dtype, like.device)
+        pool = self.free.get(key)
+        t = pool.pop() if pool else torch.empty(like.shape, dtype=dtype, device=like.device)
+        self.lent.append(t)
+        return t
+
+    def reclaim(self) -> None:
+        """Take back everything lent: call only once nothing refers to it any more."""
+        for t in self.lent:
+            self.free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+        self.lent.clear()
+
+    def forget(self) -> None:
+        """Drop what was lent (after a failed step, whose results may still be seen)."""
+        self.lent.clear()
+
+
+class _Active(threading.local):
+    scratch: Scratch | None = None
+
+
+_ACTIVE = _Active()
+
+
+@contextlib.contextmanager
+def lending(scratch: Scratch) -> Iterator[None]:
+    """While on, :func:`borrowing` returns ``scratch`` in this thread."""
+    was = _ACTIVE.scratch
+    _ACTIVE.scratch = scratch
+    try:
+        yield
+    finally:
+        _ACTIVE.scratch = was
+
+
+def borrowing(like: Tensor) -> Scratch | None:
+    """The scratch to borrow from for tensors like ``like``, or None: allocate."""
+    s = _ACTIVE.scratch
+    if s is None or like.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return s
