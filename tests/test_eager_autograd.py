@@ -1,7 +1,8 @@
-"""The eager step's fast paths: plain-autograd gradients (after a first call through torch.func)
-against a loop that takes every step's gradients with torch.func.grad_and_value:
-equal bit for bit on the seed MLP, the small GPT (aux) and the BatchNorm ResNet
-(buffers=True); buffer writes refused on every call, not only the first."""
+"""The eager step's fast paths against a loop that takes every step's gradients with
+torch.func.grad_and_value: plain-autograd gradients after the first call (equal bit
+for bit on the seed MLP, the small GPT with aux and the BatchNorm ResNet with
+buffers=True; buffer writes refused on every call, not only the first) and Adam's
+borrowed buffers for large tensors (funcgrad/_scratch.py)."""
 
 from __future__ import annotations
 
