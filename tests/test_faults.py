@@ -14,6 +14,7 @@ from conftest import assert_trees_close
 from torch import nn
 
 import funcgrad as fg
+import funcgrad._scratch as fg_scratch
 
 
 def classifier() -> nn.Module:
@@ -127,20 +128,28 @@ def test_an_interrupted_step_is_all_old_or_all_new(compiled, compiled_classifier
     assert outcomes["old"] > 0 and outcomes["new"] > 0, outcomes
 
 
-def test_two_threads_stepping_one_model_get_the_results_of_running_alone():
+@pytest.mark.parametrize("donate", [False, True])
+def test_two_threads_stepping_one_model_get_the_results_of_running_alone(donate):
     """functional_call swaps the module's attributes while the forward runs; fg.call
     lets one thread at a time into a module, so concurrent eager steps with
-    different params equal sequential ones and the module keeps its Parameters."""
-    model = classifier()
-    step, _, _ = make(model, False, donate=False)
-    tx_init = make(model, False, donate=False)[2]
+    different params equal sequential ones and the module keeps its Parameters.
+    Donated, the model has a weight large enough for Adam to borrow buffers kept
+    between steps (funcgrad/_scratch.py): each thread has its own."""
+    if donate:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+        assert model[0].weight.numel() >= fg_scratch.BIG
+    else:
+        model = classifier()
+    step, _, _ = make(model, False, donate=donate)
+    tx_init = make(model, False, donate=donate)[2]
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(8, 64, generator=g) for _ in range(2)]
     ys = [torch.randint(0, 10, (8,), generator=g) for _ in range(2)]
     starts = [{k: v + 0.01 * i for k, v in fg.params(model).items()} for i in range(2)]
 
     def run(i: int) -> tuple:
-        params, state = dict(starts[i]), snapshot(tx_init)
+        params, state = snapshot(starts[i]), snapshot(tx_init)
         for _ in range(30):
             params, state, _ = step(params, state, xs[i], ys[i])
         return params, state
