@@ -137,6 +137,8 @@ def train(kind: str, args, data, init_state) -> dict:
         for idx in order.view(n_batches, args.batch).to(device):
             x, y = Xtr[idx], ytr[idx]
             if kind == "funcgrad":
+                if t_first is None and not args.no_compile:  # the bar would sit at 0 silently
+                    bar.set_postfix_str("compiling the step (first call; cached for the next run)")
                 params, state, loss = step(params, state, x, y)
                 stats = state["monitor"].stats
             else:
