@@ -124,8 +124,9 @@ def train(m, tx, step, rank, world, steps=range(STEPS), params=None, state=None)
 # and a ResNet with train-mode BatchNorm (buffers=True). Eager, float64, 3 steps.
 
 
-def gpt_run(rank: int, world: int, sharded: bool = True) -> dict[str, torch.Tensor]:
-    """examples/char_gpt.py's model, per-block rule + monitor + AdamW(mask=decays)."""
+def small_gpt() -> tuple[nn.Module, fg.GradientTransformation]:
+    """examples/char_gpt.py's model (float64, vocabulary 11) and its transformation:
+    per-block rule + monitor + AdamW(mask=decays)."""
     import char_gpt
 
     torch.manual_seed(0)
@@ -136,6 +137,12 @@ def gpt_run(rank: int, world: int, sharded: bool = True) -> dict[str, torch.Tens
         fg.per_group(fg.rules.zero_fix(atol=1e-12), groups),
         fg.adamw(lr=1e-2, weight_decay=0.1, mask=char_gpt.decays),
     )
+    return m, tx
+
+
+def gpt_run(rank: int, world: int, sharded: bool = True) -> dict[str, torch.Tensor]:
+    """The small GPT, a few steps, each rank on its part of the batch."""
+    m, tx = small_gpt()
     tx = fg.sharded(tx) if sharded else tx
 
     def loss(p, idx, tgt):

@@ -6,13 +6,11 @@ borrowed buffers for large tensors (funcgrad/_scratch.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import optree
 import pytest
 import torch
 from conftest import assert_trees_close, seed_loss
+from shard_workers import small_gpt
 from test_buffers import TinyResNet, batches, make_model
 from test_step import dead_seed_model
 from torch import nn
@@ -21,9 +19,6 @@ from torch.func import grad_and_value
 import funcgrad as fg
 import funcgrad._scratch as fg_scratch
 import funcgrad._step as fg_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import char_gpt
 
 
 def reference(loss_fn, tx, params, state, batches_, has_aux=False, buffers=None):
@@ -72,14 +67,7 @@ def seed_case():
 
 
 def gpt_case():
-    torch.manual_seed(0)
-    m = char_gpt.CharGPT(vocab=11, block=8, dim=16, layers=2, heads=2, dropout=0.0).double()
-    groups = fg.group_by_module(m, depth=2)
-    tx = fg.chain(
-        fg.monitor(groups),
-        fg.per_group(fg.rules.zero_fix(atol=1e-12), groups),
-        fg.adamw(lr=1e-2, weight_decay=0.1, mask=char_gpt.decays),
-    )
+    m, tx = small_gpt()
 
     def loss(p, idx, tgt):
         logits = fg.call(m, p, idx)
