@@ -303,19 +303,18 @@ def _foreach_adam(
     (tested against the per-tensor loop, which is what ``torch.compile`` traces)."""
     fe = torch
     by_dtype: dict[torch.dtype, list[str]] = {}
-    pooled: list[str] = []  # large CPU tensors inside a donated eager step: see _scratch
+    pooled: list[tuple[str, Scratch]] = []  # large CPU tensors, donated eager step
     for k, grad in grads.items():
-        if grad.numel() >= BIG and borrowing(grad) is not None:
-            pooled.append(k)
+        scratch = borrowing(grad) if grad.numel() >= BIG else None
+        if scratch is not None:
+            pooled.append((k, scratch))
         else:
             by_dtype.setdefault(state.mu[k].dtype, []).append(k)
     updates: Params = {}
     mu: Params = {}
     nu: Params = {}
     nu_max: Params = {}
-    for k in pooled:
-        scratch = borrowing(grads[k])
-        assert scratch is not None
+    for k, scratch in pooled:
         out = _adam_into(
             scratch, grads[k], state, k, params, decay.get(k, False), neg_step64, inv_bc2_64,
             lr_decay64, hp,

@@ -300,6 +300,11 @@ def _after_gradients(grads: Params, old: Any, new: Any) -> Any:
     return tree_map(lambda o, n: torch.where(never, o, n), old, new)
 
 
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+
+
 def make_step(
     loss_fn: LossFn,
     tx: GradientTransformation,
@@ -418,15 +423,16 @@ def make_step(
     # Eager, or not donated: a pure function, committed afterwards.
     in_graph = compiled and donate
     body = donated_step if in_graph else pure_step
+    # (eager steps run eager_step; torch.compile is not even called for them)
     impl = torch.compile(body, **{**options, "fullgraph": True}) if compiled else body
 
     # Eager and donated: the results are dead once committed, and large CPU ones are
     # kept for the next step (funcgrad/_scratch.py), one scratch per thread.
-    per_thread = threading.local()
+    per_thread = _PerThread()
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         fresh = checks(params, state, args)
-        scratch: Scratch = per_thread.__dict__.setdefault("scratch", Scratch())
+        scratch = per_thread.scratch
         try:
             if not compiled:
                 lend = lending(scratch) if donate else contextlib.nullcontext()
