@@ -81,7 +81,35 @@ def gpt_case():
     return m, loss, tx, data, True
 
 
-@pytest.mark.parametrize("case", [seed_case, gpt_case])
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 5, batch_first=True)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def lstm_case():
+    """An nn.LSTM (eager only: dynamo refuses it), float64."""
+    torch.manual_seed(0)
+    m = Recurrent().double()
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam(lr=1e-2))
+
+    def loss(p, x, y):
+        return (fg.call(m, p, x) - y).square().mean()
+
+    g = torch.Generator().manual_seed(3)
+    data = [
+        (torch.randn(4, 6, 3, generator=g, dtype=torch.float64),
+         torch.randn(4, 1, generator=g, dtype=torch.float64))
+        for _ in range(4)
+    ]  # fmt: skip
+    return m, loss, tx, data, False
+
+
+@pytest.mark.parametrize("case", [seed_case, gpt_case, lstm_case])
 @pytest.mark.parametrize("donate", [False, True])
 def test_eager_step_equals_torch_func_steps_bit_for_bit(case, donate, counted):
     model, loss, tx, data, has_aux = case()
