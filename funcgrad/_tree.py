@@ -96,9 +96,12 @@ def commit(dst: Any, src: Any, add_to: Mapping[str, Tensor] | None = None, add: 
     block: what ``apply_updates`` and a copy would write, bit for bit, in one pass.
     Eager code only (after the compiled step ran).
     """
-    pairs: list[tuple[Tensor, Tensor]] = []
-    pytree.tree_map(lambda d, s: pairs.append((d, s)), dst, src)
-    pairs = [(d, s) for d, s in pairs if d is not s]
+    into, spec = optree.tree_flatten(dst, none_is_leaf=True)
+    # optree walks in C++ (dict entries matched by key): torch's pytree took 2.6 ms of a
+    # 30 ms eager step over 100 layers' Adam state here
+    pairs: list[tuple[Any, Any]] = [
+        (d, s) for d, s in zip(into, spec.flatten_up_to(src), strict=True) if d is not s
+    ]
     targets = list(add_to.values()) if add_to is not None else []
     if not pairs and not targets:
         return
