@@ -156,9 +156,14 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
     if torch.compiler.is_compiling() or not params:
         return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
     # Eagerly, one dispatch for all tensors (the same additions, bit for bit).
-    cast = [u if (u := updates[k]).dtype == p.dtype else u.to(p.dtype) for k, p in params.items()]
-    new = torch._foreach_add(list(params.values()), cast)
+    new = torch._foreach_add(list(params.values()), updates_as_params(params, updates))
     return dict(zip(params, new, strict=True))
+
+
+def updates_as_params(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> list[Tensor]:
+    """The updates in the order of ``params``, each cast to its parameter's dtype (no
+    call where it already has it: eager overhead)."""
+    return [u if (u := updates[k]).dtype == p.dtype else u.to(p.dtype) for k, p in params.items()]
 
 
 def describe(x: object) -> str:

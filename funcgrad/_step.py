@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from ._base import GradientTransformation, Params, State, apply_updates
+from ._base import GradientTransformation, Params, State, apply_updates, updates_as_params
 from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write, watching_buffers
 from ._per_sample import check_batch, vmapped_grads
 from ._scratch import Scratch, lending
@@ -455,7 +455,8 @@ def make_step(
             return out
         # Eager and donated: out starts with the updates.
         given = (params, state, args[0]) if buffers else (params, state)
-        commit(given[1:], out[1 : len(given)], add_to=params, add=out[0])
+        added = updates_as_params(params, out[0])
+        commit(given[1:], out[1 : len(given)], add_to=list(params.values()), add=added)
         scratch.reclaim()
         return given + out[len(given) :]
 

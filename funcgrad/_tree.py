@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -86,15 +86,15 @@ def sigint_held() -> Iterator[None]:
             previous(*caught[0])
 
 
-def commit(dst: Any, src: Any, add_to: Mapping[str, Tensor] | None = None, add: Any = None) -> None:
+def commit(dst: Any, src: Any, add_to: Sequence[Tensor] = (), add: Sequence[Tensor] = ()) -> None:
     """Write every tensor of ``src`` into the matching one of ``dst``, all or nothing.
 
     One ``torch._foreach_copy_`` over all leaves (dict entries matched by key), with
     Ctrl-C held back until it is done: an interrupted training step is either not
     applied at all or applied whole. With ``add_to`` and ``add`` (parameters and their
-    updates, each cast to the parameter's dtype), ``add_to[k] += add[k]`` in the same
-    block: what ``apply_updates`` and a copy would write, bit for bit, in one pass.
-    Eager code only (after the compiled step ran).
+    updates in the parameters' dtypes), ``add_to[i] += add[i]`` in the same block: what
+    ``apply_updates`` and a copy would write, bit for bit, in one pass. Eager code
+    only (after the compiled step ran).
     """
     into, spec = optree.tree_flatten(dst, none_is_leaf=True)
     # optree walks in C++ (dict entries matched by key): torch's pytree took 2.6 ms of a
@@ -102,18 +102,13 @@ def commit(dst: Any, src: Any, add_to: Mapping[str, Tensor] | None = None, add: 
     pairs: list[tuple[Any, Any]] = [
         (d, s) for d, s in zip(into, spec.flatten_up_to(src), strict=True) if d is not s
     ]
-    targets = list(add_to.values()) if add_to is not None else []
-    if not pairs and not targets:
+    if not pairs and not add_to:
         return
     with sigint_held(), torch.no_grad():
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        if targets:
-            assert add_to is not None and add is not None
-            steps = [
-                u if (u := add[k]).dtype == t.dtype else u.to(t.dtype) for k, t in add_to.items()
-            ]
-            torch._foreach_add_(targets, steps)
+        if add_to:
+            torch._foreach_add_(list(add_to), list(add))
 
 
 def names_mismatch(
