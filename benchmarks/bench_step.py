@@ -9,6 +9,8 @@ Variants of a training step (MLP 256-512-512-512-10 batch 64, and a small CNN):
   (b) eager     a correct eager rule on .grad + torch.optim.Adam(foreach=True)
   (c) fg-eager  funcgrad make_step, eager, donated
   (d) fg-comp   funcgrad make_step, compiled + donated
+  (e) fg-grads  funcgrad make_step(compile="gradients"), donated: the forward and
+                backward compiled, the rule and Adam eager
   fwd+bwd       torch.compile of the gradient computation alone (the floor)
 
 Update-heavy (about 32M parameters in 8 layers, 30% zero gradients, loss sum(p * G)):
@@ -20,6 +22,7 @@ Update-heavy (about 32M parameters in 8 layers, 30% zero gradients, loss sum(p *
 
 Tiny GPT (examples/char_gpt.py's model, 2 blocks, dim 128, 64 tokens x 16, dropout 0):
   fg-comp               funcgrad compiled + donated, per-block rule + AdamW
+  fg-grads              the same with compile="gradients" (rule and AdamW eager)
   torch.compile+fused   torch.compile of the model, backward, AdamW(fused=True), no rule
 
 Gradient accumulation on the same model (fg.accumulate around the rule and Adam):
@@ -103,7 +106,9 @@ def eager_rule_on_grads(model: nn.Module, groups: fg.Groups) -> None:
 
 
 def step_variants(make_model: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor):
-    """The five step variants on identical copies of one model."""
+    """The six step variants on identical copies of one model, and the time of the
+    first call of (d) (in a process that may have compiled before: see
+    ``first_step_child`` for cold compiles)."""
     torch.manual_seed(0)
     base = make_model()
     types = (nn.Linear, nn.Conv2d)
@@ -142,14 +147,19 @@ def step_variants(make_model: Callable[[], nn.Module], x: torch.Tensor, y: torch
     fns["(b) eager"] = eager_step
 
     compile_s = 0.0
-    for name, compiled in (("(c) fg-eager", False), ("(d) fg-comp", True)):
+    modes: tuple[tuple[str, bool | str], ...] = (
+        ("(c) fg-eager", False),
+        ("(d) fg-comp", True),
+        ("(e) fg-grads", "gradients"),
+    )
+    for name, compiled in modes:
         m = clone()
         groups = fg.group_by_module(m, types=types)
         tx = fg.chain(fg.per_group(RULE, groups), fg.adam())
         params = fg.params(m)
         state = tx.init(params)
         step = fg.make_step(ce(m), tx, compile=compiled, donate=True)
-        if compiled:
+        if compiled is True:
             t = time.perf_counter()
             step(params, state, x, y)
             compile_s = time.perf_counter() - t
@@ -219,19 +229,20 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
     return torch_step
 
 
-def gpt_variants(dim: int = 128, layers: int = 2) -> tuple[dict[str, Callable[[], object]], dict]:
-    """The tiny GPT of examples/char_gpt.py (tied embeddings, causal SDPA, dropout off
-    for a deterministic comparison): funcgrad's compiled, donated step (per-block zero
-    rule + AdamW) against torch.compile of the model's forward + backward and
-    torch.optim.AdamW(fused=True) (no rule). First calls (compilation) timed too."""
+GPT_VARIANTS = ("fg-comp", "fg-grads", "torch.compile+fused")
+
+
+def gpt_setup(variant: str, dim: int = 128, layers: int = 2) -> Callable[[], object]:
+    """One step of the tiny GPT of examples/char_gpt.py (tied embeddings, causal SDPA,
+    dropout off for a deterministic comparison): ``fg-comp`` is funcgrad's compiled,
+    donated step (per-block zero rule + AdamW), ``fg-grads`` the same with
+    ``compile="gradients"``, ``torch.compile+fused`` torch.compile of the model's
+    forward + backward and torch.optim.AdamW(fused=True) (no rule)."""
     from char_gpt import CharGPT
 
     vocab, block, batch = 64, 64, 16
-
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        return CharGPT(vocab, block, dim, layers, 4, dropout=0.0)
-
+    torch.manual_seed(0)
+    model = CharGPT(vocab, block, dim, layers, 4, dropout=0.0)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch, block), generator=g)
     y = torch.randint(0, vocab, (batch, block), generator=g)
@@ -239,32 +250,34 @@ def gpt_variants(dim: int = 128, layers: int = 2) -> tuple[dict[str, Callable[[]
     def ce(logits: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
 
-    m_fg = make()
-    groups = fg.group_by_module(m_fg, depth=2)
-    tx = fg.chain(fg.per_group(RULE, groups), fg.adamw(lr=1e-3))
-    params = fg.params(m_fg)
+    if variant == "torch.compile+fused":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        fwd = torch.compile(model)
+
+        def torch_step() -> None:
+            opt.zero_grad()
+            ce(fwd(x)).backward()
+            opt.step()
+
+        return torch_step
+    tx = fg.chain(fg.per_group(RULE, fg.group_by_module(model, depth=2)), fg.adamw(lr=1e-3))
+    params = fg.params(model)
     state = tx.init(params)
-    step = fg.make_step(lambda p, x: ce(fg.call(m_fg, p, x)), tx, compile=True, donate=True)
-    t = time.perf_counter()
-    step(params, state, x)
-    first = {"fg-comp": time.perf_counter() - t}
+    mode = True if variant == "fg-comp" else "gradients"
+    step = fg.make_step(lambda p, x: ce(fg.call(model, p, x)), tx, compile=mode, donate=True)
+    return lambda: step(params, state, x)
 
-    m_t = make()
-    opt = torch.optim.AdamW(m_t.parameters(), lr=1e-3, fused=True)
-    fwd = torch.compile(m_t)
 
-    def torch_step() -> None:
-        opt.zero_grad()
-        ce(fwd(x)).backward()
-        opt.step()
-
-    t = time.perf_counter()
-    torch_step()
-    first["torch.compile+fused"] = time.perf_counter() - t
-    fns = {
-        "fg-comp": lambda: step(params, state, x),
-        "torch.compile+fused": torch_step,
-    }
+def gpt_variants() -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    """The GPT_VARIANTS, each after its first call (timed: compiling, with whatever
+    torch's on-disk caches hold; ``cold_first_calls`` times them in fresh processes)."""
+    fns: dict[str, Callable[[], object]] = {}
+    first: dict[str, float] = {}
+    for variant in GPT_VARIANTS:
+        fns[variant] = gpt_setup(variant)
+        t = time.perf_counter()
+        fns[variant]()
+        first[variant] = time.perf_counter() - t
     return fns, first
 
 
@@ -302,23 +315,57 @@ def compile_child() -> None:
     print(json.dumps({"compile_s": compile_s}))
 
 
-def first_step_child() -> None:
-    """The first call of the compiled, donated MLP step in a fresh process (compile
-    included), with whatever torch's on-disk caches hold (the parent sets the dir)."""
-    torch.manual_seed(0)
-    model = mlp()
-    tx = fg.chain(fg.per_group(RULE, fg.group_by_module(model)), fg.adam())
-    params = fg.params(model)
-    state = tx.init(params)
+FIRST_MODES = ("step", "gradients", "grad-only")
 
-    def loss_fn(p, x, y):
-        return nn.functional.cross_entropy(fg.call(model, p, x), y)
 
-    step = fg.make_step(loss_fn, tx, compile=True, donate=True)
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+def first_step_child(mode: str) -> None:
+    """The first call of one step in a fresh process (compile included), with whatever
+    torch's on-disk caches hold (the parent sets the dir). The MLP's donated step:
+    ``step`` is ``compile=True``, ``gradients`` is ``compile="gradients"``,
+    ``grad-only`` is ``torch.compile`` of ``torch.func.grad_and_value`` of the same
+    loss (target 1's reference); ``gpt:<variant>`` is one of GPT_VARIANTS."""
+    if mode.startswith("gpt:"):
+        call = gpt_setup(mode[4:])
+    else:
+        torch.manual_seed(0)
+        model = mlp()
+        tx = fg.chain(fg.per_group(RULE, fg.group_by_module(model)), fg.adam())
+        params = fg.params(model)
+        state = tx.init(params)
+        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+        def loss_fn(p, x, y):
+            return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+        if mode == "grad-only":
+            grad_fn = torch.compile(torch.func.grad_and_value(loss_fn), fullgraph=True)
+            call = lambda: grad_fn(params, x, y)  # noqa: E731
+        else:
+            step = fg.make_step(loss_fn, tx, compile=True if mode == "step" else mode, donate=True)
+            call = lambda: step(params, state, x, y)  # noqa: E731
     t = time.perf_counter()
-    step(params, state, x, y)
+    call()
     print(json.dumps({"first_step_s": time.perf_counter() - t}))
+
+
+def cold_first_calls(modes: tuple[str, ...]) -> dict[str, float]:
+    """Each mode's first call in its own fresh process with an empty cache dir and the
+    FX graph / AOTAutograd caches off, alternating, twice: the smaller of each pair
+    (single cold compiles scatter by a few seconds here)."""
+    import tempfile
+
+    out: dict[str, float] = {}
+    for _ in range(2):
+        for mode in modes:
+            with tempfile.TemporaryDirectory() as cache:
+                env = {
+                    "TORCHINDUCTOR_CACHE_DIR": cache,
+                    "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                    "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+                }
+                s = run_child("--child", "first", "--variant", mode, env=env)["first_step_s"]
+            out[mode] = min(s, out.get(mode, s))
+    return out
 
 
 def run_child(*args: str, env: dict[str, str] | None = None) -> dict:
@@ -342,7 +389,7 @@ def main() -> None:
     if args.child == "compile":
         return compile_child()
     if args.child == "first":
-        return first_step_child()
+        return first_step_child(args.variant or "step")
 
     repeats, number = (5, 10) if args.quick else (9, 20)
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -362,6 +409,8 @@ def main() -> None:
         results[name]["overhead_vs_fwd_bwd"] = over
         lines.append(f"  overhead: (d) / compiled fwd+bwd = {over:.2f}x (target <= 1.15)")
         lines.append(f"  (d) / (a) = {t['(d) fg-comp'] / t['(a) hook']:.2f}x (target <= 0.6)")
+        e_d = t["(e) fg-grads"] / t["(d) fg-comp"]
+        lines.append(f"  (e) / (d) = {e_d:.2f}x (compile='gradients' against the whole graph)")
 
     fns, first = gpt_variants()
     t = interleaved(fns, repeats, max(2, number // 4))
@@ -402,6 +451,19 @@ def main() -> None:
     cold = run_child("--child", "compile", env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
     results["mlp_compile_s_cold"] = cold["compile_s"]
     lines.append(f"\nMLP step compile time, cold caches: {cold['compile_s']:.1f} s (target < 20 s)")
+
+    cold_first = cold_first_calls(FIRST_MODES)
+    results["mlp_first_call_cold_s"] = cold_first
+    ref = cold_first["grad-only"]
+    lines.append("MLP first call, fresh process, empty caches (smaller of two alternating runs)")
+    for mode, v in cold_first.items():
+        lines.append(f"  {mode:10s} {v:6.1f} s   {v / ref:5.2f}x grad-only (target 1: step <= 1.1)")
+    cold_gpt = cold_first_calls(tuple(f"gpt:{v}" for v in GPT_VARIANTS))
+    results["gpt_first_call_cold_s"] = cold_gpt
+    ref = cold_gpt["gpt:torch.compile+fused"]
+    lines.append("tiny GPT first call, the same way")
+    for mode, v in cold_gpt.items():
+        lines.append(f"  {mode[4:]:20s} {v:6.1f} s   {v / ref:5.2f}x torch.compile+fused")
 
     import tempfile
 

@@ -300,6 +300,30 @@ def _after_gradients(grads: Params, old: Any, new: Any) -> Any:
     return tree_map(lambda o, n: torch.where(never, o, n), old, new)
 
 
+_SCOPES = ("step", "gradients")
+
+
+def _compile_scope(compile: bool | str | Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """``make_step``'s ``compile=`` as (what is compiled, ``torch.compile`` options):
+    ``True`` is ``("step", {})``, ``"gradients"`` is ``("gradients", {})``, a dict
+    may name ``"scope"`` and passes its other keys to ``torch.compile``."""
+    if isinstance(compile, Mapping):
+        options = dict(compile)
+        scope = options.pop("scope", "step")
+    elif isinstance(compile, str):
+        options, scope = {}, compile
+    else:
+        return ("step", {}) if compile else (None, {})
+    if scope not in _SCOPES:
+        raise ValueError(
+            f"fg.make_step: compile scope {scope!r} is not one of {_SCOPES}. Use "
+            'compile=True (the whole step as one graph), compile="gradients" (only the '
+            "forward and backward as one graph; tx runs eagerly), a dict of "
+            'torch.compile options (with "scope": "gradients" for the latter), or False.'
+        )
+    return scope, options
+
+
 class _PerThread(threading.local):
     def __init__(self) -> None:
         self.scratch = Scratch()
@@ -310,7 +334,7 @@ def make_step(
     tx: GradientTransformation,
     *,
     has_aux: bool = False,
-    compile: bool | dict[str, Any] = False,
+    compile: bool | str | dict[str, Any] = False,
     donate: bool = False,
     per_sample: GradientTransformation | None = None,
     buffers: bool = False,
@@ -328,6 +352,13 @@ def make_step(
         has_aux: the step returns ``aux`` last.
         compile: wrap the step in ``torch.compile(fullgraph=True)``; a dict adds
             other ``torch.compile`` options, e.g. ``{"backend": "aot_eager"}``.
+            ``"gradients"`` (or ``{"scope": "gradients", ...}``) compiles only the
+            gradient computation (forward and backward, one graph that writes
+            nothing) and runs ``tx`` and the update eagerly, as
+            ``torch.compile(model)`` with a ``torch.optim`` optimizer does: the
+            first call compiles about as fast as the model alone, and every step
+            runs the update as the eager step does (docs/compile-notes.md has the
+            measured trade-off).
         donate: write the new params, state (and buffers) into the given tensors in
             place and return those same tensors, so ``fg.params(model)`` and
             ``fg.buffers(model)`` keep the module live.
@@ -382,9 +413,11 @@ def make_step(
             f"updates buffers in forward is usually train-mode BatchNorm: "
             f"{PER_SAMPLE_BATCHNORM}"
         )
+    scope, options = _compile_scope(compile)
     gradients = _gradients(loss_fn, has_aux, per_sample, buffers)
     checks = _Checks(loss_fn, tx, per_sample, donate, buffers)
-    compiled = isinstance(compile, dict) or bool(compile)
+    grads_only = scope == "gradients"
+    compiled = scope == "step"
 
     def compute(
         grad_fn: Callable[..., Any], params: Params, state: State, *args: Any, apply: bool = True
@@ -405,9 +438,28 @@ def make_step(
     # checks give the clear errors): plain autograd, the same values, faster.
     fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
 
+    # compile="gradients": the forward and backward as one graph, which writes nothing;
+    # the rest of the step is the eager one.
+    compiled_gradients = (
+        torch.compile(gradients, **{**options, "fullgraph": True}) if grads_only else None
+    )
+
+    def gradients_compiled(params: Params, *args: Any) -> tuple[Params, Tensor, Any, Any]:
+        assert compiled_gradients is not None
+        try:
+            return compiled_gradients(params, *args)
+        except Exception as err:
+            better = _explain_compile_failure(err, lambda: gradients(params, *args))
+            if better is None or better is err:
+                raise
+            raise better from err
+
     def eager_step(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         """Donated, it returns the updates (added to the params at commit, in place)."""
-        grad_fn = gradients if fresh or fast is None else fast
+        if grads_only:
+            grad_fn = gradients_compiled
+        else:
+            grad_fn = gradients if fresh or fast is None else fast
         new, _, rest = compute(grad_fn, params, state, *args, apply=not donate)
         return new + rest
 
@@ -417,7 +469,6 @@ def make_step(
         copy_into(given, _after_gradients(grads, given, new))
         return given + rest
 
-    options = compile if isinstance(compile, dict) else {}
     # Compiled and donated: the graph writes into the given tensors itself (inductor
     # fuses the writes into the update kernels: no second pass, no new buffers).
     # Eager, or not donated: a pure function, committed afterwards.

@@ -169,7 +169,11 @@ def _without_buffers():
 
 def test_step_without_buffers_explains_the_fix_eager_and_compiled():
     loss_fn, tx, params, x = _without_buffers()
-    for compile in (False, {"backend": "aot_eager"}):
+    for compile in (
+        False,
+        {"backend": "aot_eager"},
+        {"scope": "gradients", "backend": "aot_eager"},
+    ):
         torch._dynamo.reset()
         step = fg.make_step(loss_fn, tx, compile=compile)
         with pytest.raises(
