@@ -387,6 +387,14 @@ def make_step(
         >>> int(state.inner_states[1].count), params["weight"].data_ptr() == model.weight.data_ptr()
         (1, True)
 
+        Only the forward and backward compiled (inductor), ``tx`` eager; options for
+        ``torch.compile`` go in a dict with ``"scope"``:
+
+        >>> step = fg.make_step(loss, tx, compile="gradients", donate=True)
+        >>> step = fg.make_step(
+        ...     loss, tx, compile={"scope": "gradients", "backend": "aot_eager"}, donate=True
+        ... )
+
         With train-mode BatchNorm:
 
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
