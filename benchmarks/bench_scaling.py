@@ -9,7 +9,9 @@ loss; funcgrad's step is the seed rule per layer + Adam, donated. For each ``L``
 * compiled (for the ``--compile-layers`` sizes): the cold compile of the step in a
   fresh process with empty inductor caches, against the cold compile of the gradient
   computation alone (``torch.compile(torch.func.grad_and_value(loss))``), and the
-  median compiled step against the compiled gradient computation.
+  median compiled step against the compiled gradient computation; the same for
+  ``make_step(compile="gradients")`` (forward and backward compiled, rule and Adam
+  eager).
 
 Ratios are of variants measured side by side (interleaved) in one run; cold compiles
 run one after the other in child processes. Absolute times are for context only.
@@ -66,7 +68,7 @@ def loss_of(m: nn.Module) -> Callable[..., torch.Tensor]:
     return loss
 
 
-def fg_step(m: nn.Module, compile: bool):
+def fg_step(m: nn.Module, compile: bool | str):
     tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam())
     params = fg.params(m)
     state = tx.init(params)
@@ -135,8 +137,8 @@ def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
 
         def call() -> object:
             return f(params, x, y)
-    else:
-        step, params, state = fg_step(m, compile=True)
+    else:  # "step": compile=True; "gradients": compile="gradients"
+        step, params, state = fg_step(m, compile=True if which == "step" else which)
 
         def call() -> object:
             return step(params, state, x, y)
@@ -194,16 +196,20 @@ def main() -> None:
             f"  (all gradients by torch.func: {r['fg_torch_func_s'] / r['hook_s']:5.2f}x;"
             f" params {'equal' if r['bit_equal'] else 'DIFFER'} bit for bit)"
         )
-    print("compiled, cold (fresh process, empty caches): step against grad-only")
+    print("compiled, cold (fresh process, empty caches): against grad-only")
     for layers in args.compile_layers:
         g = run_child(layers, args.width, "grad")
-        s = run_child(layers, args.width, "step")
-        results["compiled"][layers] = {"grad": g, "step": s}
-        print(
-            f"  L={layers:5d}  first call {s['first_call_s']:6.1f} s vs {g['first_call_s']:6.1f} s"
-            f" ({s['first_call_s'] / g['first_call_s']:4.2f}x)   step {s['step_s'] * 1e3:7.3f} ms"
-            f" vs {g['step_s'] * 1e3:7.3f} ms ({s['step_s'] / g['step_s']:4.2f}x)"
-        )
+        results["compiled"][layers] = {"grad": g}
+        for which in ("step", "gradients"):
+            s = run_child(layers, args.width, which)
+            results["compiled"][layers][which] = s
+            label = "compile=True       " if which == "step" else 'compile="gradients"'
+            print(
+                f"  L={layers:5d}  {label}  first call {s['first_call_s']:6.1f} s vs "
+                f"{g['first_call_s']:6.1f} s ({s['first_call_s'] / g['first_call_s']:4.2f}x)"
+                f"   step {s['step_s'] * 1e3:7.3f} ms vs {g['step_s'] * 1e3:7.3f} ms"
+                f" ({s['step_s'] / g['step_s']:4.2f}x)"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     name = "bench_scaling.json" if DEVICE.type == "cpu" else f"bench_scaling_{DEVICE.type}.json"
     (args.out / name).write_text(json.dumps(results, indent=2))

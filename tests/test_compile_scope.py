@@ -119,6 +119,30 @@ def test_a_failing_update_changes_nothing_and_the_next_step_runs():
     assert int(state.inner_states[1].count) == 3
 
 
+def test_aux_comes_out_of_the_compiled_gradients_detached():
+    model, eager_model = dead_seed_model(), dead_seed_model()
+
+    def with_aux(m):
+        def loss(p, x):
+            out = fg.call(m, p, x)
+            return torch.mean(torch.square(5.0 - out.sum())), {"out": out, "max": out.max()}
+
+        return loss
+
+    tx, etx = seed_tx(model), seed_tx(eager_model)
+    step = fg.make_step(with_aux(model), tx, has_aux=True, compile=AOT, donate=True)
+    estep = fg.make_step(with_aux(eager_model), etx, has_aux=True)
+    p, ep = fg.params(model), fg.params(eager_model)
+    s, es = tx.init(p), etx.init(ep)
+    x = torch.rand(3, 1, dtype=torch.float64)
+    for _ in range(3):
+        *_, aux = step(p, s, x)
+        ep, es, _, eaux = estep(ep, es, x)
+        assert not aux["out"].requires_grad and not aux["max"].requires_grad
+        assert_trees_close(aux, eaux, rtol=1e-12, atol=1e-12)
+    assert_trees_close(p, ep, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("compile", ["grad", {"scope": "update", "backend": "aot_eager"}])
 def test_unknown_compile_scope_is_an_error(compile):
     model = dead_seed_model()
