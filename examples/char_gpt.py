@@ -16,8 +16,11 @@ The loop uses:
 It prints a table of the per-block statistics and a sample of generated text, and
 writes a PNG of the loss curve.
 
-The step runs eagerly by default: compiling a transformer step still takes minutes
-on two cores (the compile-latency issue). ``--compile`` compiles it.
+The step runs eagerly by default. ``--compile gradients`` compiles only the forward
+and backward (``make_step(compile="gradients")``: about 26-31 s for the first call of
+a 2-block model with empty caches on two cores, then the update runs eagerly);
+``--compile`` compiles the whole step as one graph (about 48 s, then the fastest
+steps). benchmarks/README.md has the measurements.
 
 Run: ``python examples/char_gpt.py`` (``--help`` for options).
 """
@@ -114,7 +117,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
     ap.add_argument("--sample", type=int, default=300, help="characters to generate")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compile", action="store_true", help="compile the step (slow to start)")
+    ap.add_argument(
+        "--compile",
+        nargs="?",
+        const="step",
+        default="none",
+        choices=["none", "step", "gradients"],
+        help="compile the whole step (--compile), only its forward and backward "
+        "(--compile gradients), or nothing (default)",
+    )
     ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
     args = ap.parse_args(argv)
     if min(args.steps, args.accumulate, args.batch, args.layers, args.heads) < 1:
@@ -150,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         logits = fg.call(model, p, x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    step = fg.make_step(loss_fn, tx, compile=args.compile, donate=True)
+    compile = {"none": False, "step": True, "gradients": "gradients"}[args.compile]
+    step = fg.make_step(loss_fn, tx, compile=compile, donate=True)
     params = fg.params(model)
     state = tx.init(params)
     gen = torch.Generator().manual_seed(args.seed)

@@ -133,6 +133,18 @@ def test_char_gpt_example_smoke(tmp_path, capsys):
     assert math.isfinite(out["val_loss"])
 
 
+def test_char_gpt_example_with_compiled_gradients(tmp_path, capsys):
+    """--compile gradients: inductor compiles the forward and backward (dropout on),
+    accumulation, the monitor and AdamW run eagerly."""
+    import char_gpt
+
+    argv = ["--steps", "3", "--accumulate", "2", "--batch", "4", "--sample", "8"]
+    out = char_gpt.main([*argv, "--dim", "32", "--compile", "gradients", "--out", str(tmp_path)])
+    assert out["updates"] == 3
+    assert "blocks.1" in capsys.readouterr().out
+    assert math.isfinite(out["val_loss"])
+
+
 def test_exact_zeros_example_shows_the_trap_and_the_tolerance(capsys):
     import exact_zeros
 
