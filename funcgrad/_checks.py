@@ -1,0 +1,205 @@
+"""What a training step checks in Python before anything is traced.
+
+:class:`Checks` validates the inputs of a step (names, structure, batch arity,
+donation safety, a shape-only dry run of ``tx.update``) whenever their structure
+changes; :func:`explain_compile_failure` turns dynamo's errors into the step's own;
+:func:`compile_scope` reads ``make_step``'s ``compile=``. Under ``torch.compile``
+none of this runs per step: the traced step is pure tensor code.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from ._base import GradientTransformation, Params, State
+from ._model import explain_buffer_write
+from ._per_sample import check_batch
+from ._tree import tensor_paths
+
+LossFn = Callable[..., Any]
+
+
+def _meta(tree: Any) -> Any:
+    return optree.tree_map(
+        lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, tree
+    )
+
+
+def _check_tensors(
+    params: Params, state: State, buffers: Mapping[str, Tensor], donate: bool
+) -> None:
+    """Leaves the step can use: no autograd history, real data, and (donated) no
+    two views of one memory."""
+    seen: dict[int, str] = {}
+    for where, tree in (("params", params), ("state", state), ("buffers", buffers)):
+        for path, t in tensor_paths(tree, where):
+            if t.requires_grad:
+                raise ValueError(
+                    f"fg.make_step: {path} requires grad. The step differentiates with "
+                    "torch.func.grad itself; a tensor that requires grad would make every "
+                    "step extend an autograd history (memory grows without bound) and "
+                    "cannot be updated in place. Pass fg.params(model) (detached) rather "
+                    "than dict(model.named_parameters())."
+                )
+            if t.is_meta:
+                raise ValueError(
+                    f"fg.make_step: {path} is on the meta device: it has a shape but no "
+                    "data to train. Materialize the model first, e.g. "
+                    "model.to_empty(device='cpu') and then initialize its parameters "
+                    "(or load a checkpoint), and take fg.params(model) after that."
+                )
+            if not donate:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if t.numel() and key in seen:
+                raise ValueError(
+                    f"fg.make_step(donate=True): {path} shares memory with {seen[key]}. "
+                    "Donated tensors are written in place, so they must not be views of "
+                    "each other; clone one of them (or tie the weights in the module and "
+                    "take fg.params(model), which lists a tied parameter once)."
+                )
+            seen[key] = path
+
+
+_HOST_READ = (
+    "reads a tensor's value on the host (a Python if/while, bool(), float() or .item() "
+    "on a tensor), in a schedule or in a custom rule or transformation. Code that runs "
+    "every step must be tensor ops, so that it compiles to one graph and never waits "
+    "for the device: write torch.where(count < 100, a, b) instead of "
+    "a if count < 100 else b, and torch.clamp / torch.minimum instead of min()."
+)
+
+
+class Checks:
+    """The checks that need Python, run before anything is traced.
+
+    They run again whenever the structure of the inputs (or, with donation, the
+    identity of the donated tensors) differs from the previous call's; a training
+    loop that calls the step with the same dicts pays one tuple comparison per step.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        tx: GradientTransformation,
+        per_sample: GradientTransformation | None,
+        donate: bool,
+        buffers: bool,
+    ) -> None:
+        self.tx, self.per_sample, self.donate, self.buffers = tx, per_sample, donate, buffers
+        try:
+            self.sig: inspect.Signature | None = inspect.signature(loss_fn)
+        except (TypeError, ValueError):  # builtins and some C callables
+            self.sig = None
+        self.last: Any = None
+
+    def __call__(self, params: Params, state: State, args: tuple[Any, ...]) -> bool:
+        """Run the checks if the inputs' structure changed; True if they ran."""
+        if self.buffers:
+            if not args or not isinstance(args[0], Mapping):
+                got = type(args[0]).__name__ if args else "nothing"
+                raise TypeError(
+                    "fg.make_step(buffers=True): the step is called as step(params, state, "
+                    f"buffers, *batch), with buffers a dict such as fg.buffers(model); got "
+                    f"{got} in third place."
+                )
+            for name, b in args[0].items():
+                if not isinstance(b, Tensor):
+                    raise TypeError(
+                        f"fg.make_step(buffers=True): buffers['{name}'] is a "
+                        f"{type(b).__name__}, not a tensor. Pass fg.buffers(model)."
+                    )
+        if self.per_sample is not None:  # shapes can change between calls: always check
+            check_batch(args, "fg.make_step(per_sample=...)")
+        flat, spec = optree.tree_flatten((params, state, args[:1] if self.buffers else ()))  # type: ignore[arg-type,var-annotated]
+        key = (spec, tuple(map(id, flat)) if self.donate else (), len(args))
+        if key == self.last:
+            return False
+        if self.sig is not None:
+            try:
+                self.sig.bind(params, *args)
+            except TypeError as err:
+                head = "params, buffers" if self.buffers else "params"
+                n = len(args) - self.buffers
+                raise TypeError(
+                    f"fg.make_step: loss_fn{self.sig} cannot be called with {head} and "
+                    f"{n} batch argument(s): {err}. step(params, state, "
+                    f"{'buffers, ' if self.buffers else ''}*batch) passes *batch to "
+                    f"loss_fn({head}, *batch)."
+                ) from None
+        if self.per_sample is not None and tensor_paths(self.per_sample.init(_meta(params))):
+            raise TypeError(
+                "fg.make_step: per_sample must be stateless (its init returns no "
+                "tensors), since it runs once per sample under vmap and nothing "
+                "could carry its state from step to step. Put stateful "
+                "transformations (Adam, add_noise, monitor) in tx instead."
+            )
+        _check_tensors(params, state, args[0] if self.buffers else {}, self.donate)
+        try:  # run the transformation's own checks on shape-only tensors
+            mp = _meta(params)
+            self.tx.update(mp, _meta(state), mp)
+        except NotImplementedError:
+            pass
+        except RuntimeError as err:
+            if "meta tensors" not in str(err):
+                raise
+            raise TypeError(f"fg.make_step: tx.update {_HOST_READ}") from err
+        self.last = key
+        return True
+
+
+def explain_compile_failure(err: Exception, eager: Callable[[], Any]) -> Exception | None:
+    """A clearer error than dynamo's for a step that fails to compile, or None.
+
+    Most mistakes (a misspelled parameter name, a model that writes a buffer, an
+    exception raised in loss_fn) surface under torch.compile as dynamo's own
+    exception types. Running the same step once eagerly, without donation (nothing
+    is written), raises the user's own exception with funcgrad's explanation.
+    """
+    msg = str(err)
+    if "Attempted to wrap RNN, GRU, or LSTM" in msg:
+        return TypeError(
+            "fg.make_step(compile=True): the model has an nn.RNN, nn.GRU or nn.LSTM, and "
+            "torch.compile (dynamo) refuses to trace those modules. Use compile=False "
+            "for this model (the eager step computes the same thing), or write the "
+            "recurrence as a loop over nn.LSTMCell / nn.GRUCell, which compile.\n"
+            f"Original error: {msg.splitlines()[0]}"
+        )
+    if "data-dependent" in msg or "Data-dependent" in msg:
+        return TypeError(f"fg.make_step(compile=True): the step {_HOST_READ}\nOriginal: {msg}")
+    try:
+        eager()
+    except Exception as eager_err:
+        better = explain_buffer_write(eager_err)
+        return better if better is not None else eager_err
+    return None
+
+
+_SCOPES = ("step", "gradients")
+
+
+def compile_scope(compile: bool | str | Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """``make_step``'s ``compile=`` as (what is compiled, ``torch.compile`` options):
+    ``True`` is ``("step", {})``, ``"gradients"`` is ``("gradients", {})``, a dict
+    may name ``"scope"`` and passes its other keys to ``torch.compile``."""
+    if isinstance(compile, Mapping):
+        options = dict(compile)
+        scope = options.pop("scope", "step")
+    elif isinstance(compile, str):
+        options, scope = {}, compile
+    else:
+        return ("step", {}) if compile else (None, {})
+    if scope not in _SCOPES:
+        raise ValueError(
+            f"fg.make_step: compile scope {scope!r} is not one of {_SCOPES}. Use "
+            'compile=True (the whole step as one graph), compile="gradients" (only the '
+            "forward and backward as one graph; tx runs eagerly), a dict of "
+            'torch.compile options (with "scope": "gradients" for the latter), or False.'
+        )
+    return scope, options
