@@ -8,12 +8,13 @@
 # (default benchmarks/results): gpu_tests.txt, gpu_scaling.txt and the JSON.
 #
 # 1. tests/test_device.py with FUNCGRAD_TEST_DEVICE=cuda: Adam against torch.optim in
-#    float32/float16/bfloat16, the compiled (inductor) donated step against the eager
-#    one (one graph), vmap per-sample rules against a loop, hooks.attach against the
+#    float32/float16/bfloat16, the compiled (inductor) donated step and
+#    compile="gradients" against the eager one (one graph), vmap per-sample rules against a loop, hooks.attach against the
 #    functional rule, a state round trip: every reference computed on the GPU.
 # 2. benchmarks/bench_scaling.py --device cuda: eager step against the hook answer +
-#    torch.optim, cold compile and step against the gradient computation alone, for
-#    10/100/1000 small layers (compiles for 10 and 40).
+#    torch.optim, cold compile and step (compile=True and compile="gradients") against
+#    the gradient computation alone, for 10/100/1000 small layers (compiles for 10 and
+#    40).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

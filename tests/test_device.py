@@ -3,7 +3,7 @@
 CI runs this file on the CPU with everything else; ``benchmarks/gpu.sh`` runs it with
 ``FUNCGRAD_TEST_DEVICE=cuda``. Every reference is computed on the same device: Adam
 against ``torch.optim`` (float32, float16, bfloat16), the compiled (inductor) donated
-step against the eager step, vmap per-sample gradients against a Python loop,
+step and ``compile="gradients"`` against the eager step, vmap per-sample gradients against a Python loop,
 ``fg.hooks.attach`` against the functional step, and a state round trip.
 """
 
@@ -86,9 +86,11 @@ def test_adam_matches_torch_optim_on_the_device(dtype, decoupled):
 
 
 def test_compiled_donated_step_equals_eager_on_the_device():
+    """compile=True (one graph) and compile="gradients" (the forward and backward
+    compiled, the update eager) against the eager step."""
     x, y = batch()
     runs = {}
-    for compiled in (False, True):
+    for compiled in (False, True, "gradients"):
         model = mlp()
         groups = fg.group_by_module(model)
         tx = fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=1e-2))
@@ -101,9 +103,10 @@ def test_compiled_donated_step_equals_eager_on_the_device():
         if compiled:
             assert counters["stats"]["unique_graphs"] == 1
         runs[compiled] = params
-    for k, p in runs[True].items():
-        assert p.device.type == DEVICE.type
-        torch.testing.assert_close(p, runs[False][k], rtol=1e-5, atol=1e-6)
+    for mode in (True, "gradients"):
+        for k, p in runs[mode].items():
+            assert p.device.type == DEVICE.type
+            torch.testing.assert_close(p, runs[False][k], rtol=1e-5, atol=1e-6)
 
 
 def test_per_sample_rule_under_vmap_equals_a_loop_on_the_device():
