@@ -154,8 +154,13 @@ class Checks:
         return True
 
 
-def explain_compile_failure(err: Exception, eager: Callable[[], Any]) -> Exception | None:
+def explain_compile_failure(
+    err: Exception, eager: Callable[[], Any], how: str = "compile=True"
+) -> Exception | None:
     """A clearer error than dynamo's for a step that fails to compile, or None.
+
+    ``how`` names the ``compile=`` option in the message (``compile="gradients"``
+    compiles, and so re-runs, only the gradient computation).
 
     Most mistakes (a misspelled parameter name, a model that writes a buffer, an
     exception raised in loss_fn) surface under torch.compile as dynamo's own
@@ -165,14 +170,14 @@ def explain_compile_failure(err: Exception, eager: Callable[[], Any]) -> Excepti
     msg = str(err)
     if "Attempted to wrap RNN, GRU, or LSTM" in msg:
         return TypeError(
-            "fg.make_step(compile=True): the model has an nn.RNN, nn.GRU or nn.LSTM, and "
+            f"fg.make_step({how}): the model has an nn.RNN, nn.GRU or nn.LSTM, and "
             "torch.compile (dynamo) refuses to trace those modules. Use compile=False "
             "for this model (the eager step computes the same thing), or write the "
             "recurrence as a loop over nn.LSTMCell / nn.GRUCell, which compile.\n"
             f"Original error: {msg.splitlines()[0]}"
         )
     if "data-dependent" in msg or "Data-dependent" in msg:
-        return TypeError(f"fg.make_step(compile=True): the step {_HOST_READ}\nOriginal: {msg}")
+        return TypeError(f"fg.make_step({how}): the step {_HOST_READ}\nOriginal: {msg}")
     try:
         eager()
     except Exception as eager_err:

@@ -279,7 +279,9 @@ def make_step(
         try:
             return compiled_gradients(params, *args)
         except Exception as err:
-            better = explain_compile_failure(err, lambda: gradients(params, *args))
+            better = explain_compile_failure(
+                err, lambda: gradients(params, *args), 'compile="gradients"'
+            )
             if better is None or better is err:
                 raise
             raise better from err

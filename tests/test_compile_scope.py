@@ -92,6 +92,24 @@ def test_per_sample_rule_equals_the_eager_step():
     assert_one_graph()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_equals_the_eager_step(dtype):
+    """Half-precision params and gradients; Adam's moments in float32 math (opmath)."""
+    model, eager_model = dead_seed_model(dtype), dead_seed_model(dtype)
+    tx, etx = seed_tx(model), seed_tx(eager_model)
+    step = fg.make_step(seed_loss(model), tx, compile=AOT, donate=True)
+    estep = fg.make_step(seed_loss(eager_model), etx, donate=True)
+    p, ep = fg.params(model), fg.params(eager_model)
+    s, es = tx.init(p), etx.init(ep)
+    x = torch.rand(3, 1, dtype=dtype)
+    for _ in range(3):
+        step(p, s, x)
+        estep(ep, es, x)
+    assert all(t.dtype == dtype for t in p.values())
+    assert_trees_close((p, s), (ep, es), rtol=1e-3, atol=1e-3)
+    assert not torch.equal(p["fc2.weight"], dead_seed_model(dtype).fc2.weight.detach())
+
+
 def test_a_failing_update_changes_nothing_and_the_next_step_runs():
     model = dead_seed_model()
     calls = []

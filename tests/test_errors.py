@@ -66,12 +66,14 @@ def _per_sample_no_batch():
     step(p, s, torch.tensor(1.0))
 
 
-def _lstm_step_compiled():
+def _lstm_step_compiled(scope: str = "step"):
     torch._dynamo.reset()
     model = nn.LSTM(3, 4, batch_first=True)
     tx = fg.adam()
     step = fg.make_step(
-        lambda p, x: fg.call(model, p, x)[0].sum(), tx, compile={"backend": "aot_eager"}
+        lambda p, x: fg.call(model, p, x)[0].sum(),
+        tx,
+        compile={"backend": "aot_eager", "scope": scope},
     )
     p = fg.params(model)
     step(p, tx.init(p), torch.randn(2, 5, 3))
@@ -230,6 +232,11 @@ CASES = [
         "fg.make_step(compile=True): the model has an nn.RNN, nn.GRU or nn.LSTM, and torch.compile (dynamo) refuses to trace those modules. Use compile=False",
         TypeError,
         _lstm_step_compiled,
+    ),
+    (
+        'fg.make_step(compile="gradients"): the model has an nn.RNN, nn.GRU or nn.LSTM',
+        TypeError,
+        lambda: _lstm_step_compiled("gradients"),
     ),
     (
         "fg.make_step: tx.update reads a tensor's value on the host (a Python if/while, bool(), float() or .item() on a tensor), in a schedule",
