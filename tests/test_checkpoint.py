@@ -150,12 +150,17 @@ i = 0
 while True:
     i += 1
     fg.save_checkpoint(path, {"w": torch.full((n,), float(i))}, state, i=i)
+    print("saved", i, flush=True)
 """
 
 
 def test_a_save_killed_midway_keeps_a_whole_checkpoint(tmp_path):
     """A process saving 40 MB checkpoints in a loop, killed at random moments: the
-    file at the path always loads, with matching params and extra."""
+    file at the path always loads, with matching params and extra.
+
+    Each kill comes a while after the process reported a finished save, so it lands
+    in a later write (a save took 0.3 s to over 1.4 s on these shared cores: fixed
+    delays from start alone once saw no save finish in four trials)."""
     path = tmp_path / "ckpt.fg"
     tx = fg.adam()
     n = 10_000_000
@@ -166,7 +171,8 @@ def test_a_save_killed_midway_keeps_a_whole_checkpoint(tmp_path):
             [sys.executable, "-c", SAVER, str(path), str(n)], stdout=subprocess.PIPE, text=True
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(0.3 + 0.37 * trial)
+        assert proc.stdout.readline().startswith("saved")  # one save finished
+        time.sleep(0.05 + 0.37 * trial)
         proc.kill()  # SIGKILL: no cleanup, possibly mid-write
         proc.wait()
         params = {"w": torch.empty(n)}
