@@ -269,3 +269,27 @@ def test_eager_donated_step_with_borrowed_buffers_equals_the_reference(monkeypat
     assert_trees_close((params, state), (want_p, want_s))
     assert int(state.skipped) == 1
     assert len(taken) >= 7 * 5  # 7 calls reach Adam; 5 buffers each (AdamW, amsgrad)
+
+
+def test_per_sample_rules_in_a_donated_eager_step_with_a_large_layer():
+    """The donated eager step (which lends buffers to large tensors' updates) with a
+    per-sample rule, run under vmap where out= buffers do not apply, equals the
+    undonated step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 200), nn.ReLU(), nn.Linear(200, 200)).double()
+    rule = fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model))
+    tx = fg.adam(lr=1e-2)
+
+    def loss(p, x):
+        return fg.call(model, p, x).square().mean()
+
+    x = torch.randn(6, 4, dtype=torch.float64)
+    donated = fg.make_step(loss, tx, per_sample=rule, donate=True)
+    plain = fg.make_step(loss, tx, per_sample=rule)
+    p = {k: v.clone() for k, v in fg.params(model).items()}
+    q = {k: v.clone() for k, v in p.items()}
+    s, t = tx.init(p), tx.init(q)
+    for _ in range(3):
+        donated(p, s, x)
+        q, t, _ = plain(q, t, x)
+    assert_trees_close((p, s), (q, t))
