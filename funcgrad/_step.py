@@ -180,7 +180,7 @@ def make_step(
             ``torch.compile(model)`` with a ``torch.optim`` optimizer does: the
             first call compiles about as fast as the model alone, and every step
             runs the update as the eager step does (docs/compile-notes.md has the
-            measured trade-off).
+            measured trade-off). ``"step"`` is the same as ``True``.
         donate: write the new params, state (and buffers) into the given tensors in
             place and return those same tensors, so ``fg.params(model)`` and
             ``fg.buffers(model)`` keep the module live.

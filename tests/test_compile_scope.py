@@ -161,6 +161,25 @@ def test_aux_comes_out_of_the_compiled_gradients_detached():
     assert_trees_close(p, ep, rtol=1e-10, atol=1e-12)
 
 
+def test_scope_step_is_compile_true():
+    """{"scope": "step", ...} is the whole step as one graph, as compile=True."""
+    x = torch.rand(3, 1, dtype=torch.float64)
+    runs = []
+    for compile in ({"scope": "step", "backend": "aot_eager"}, {"backend": "aot_eager"}):
+        torch._dynamo.reset()
+        counters.clear()
+        model = dead_seed_model()
+        tx = seed_tx(model)
+        step = fg.make_step(seed_loss(model), tx, compile=compile, donate=True)
+        p = fg.params(model)
+        s = tx.init(p)
+        for _ in range(3):
+            step(p, s, x)
+        assert_one_graph()
+        runs.append((p, s))
+    assert_trees_close(runs[0], runs[1])  # bit for bit
+
+
 @pytest.mark.parametrize("compile", ["grad", {"scope": "update", "backend": "aot_eager"}])
 def test_unknown_compile_scope_is_an_error(compile):
     model = dead_seed_model()
