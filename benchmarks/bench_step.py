@@ -308,13 +308,6 @@ def memory_child(variant: str, layers: int, width: int) -> None:
     print(json.dumps({"variant": variant, "peak_mib": peak, "extra_mib": peak - before}))
 
 
-def compile_child() -> None:
-    """Cold compile time of the MLP step (inductor's caches disabled by the parent)."""
-    torch.manual_seed(0)
-    _, compile_s = step_variants(mlp, torch.randn(64, 256), torch.randint(0, 10, (64,)))
-    print(json.dumps({"compile_s": compile_s}))
-
-
 FIRST_MODES = ("step", "gradients", "grad-only")
 
 
@@ -380,14 +373,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="funcgrad step benchmarks")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and a smaller update model")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--child", choices=["memory", "compile", "first"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["memory", "first"], help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     layers, width = (8, 1024) if args.quick else (8, 2048)
     if args.child == "memory":
         return memory_child(args.variant, layers, width)
-    if args.child == "compile":
-        return compile_child()
     if args.child == "first":
         return first_step_child(args.variant or "step")
 
@@ -448,14 +439,10 @@ def main() -> None:
             f" vs fused   (+{r['extra_mib']:.1f} MiB above set-up)"
         )
 
-    cold = run_child("--child", "compile", env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
-    results["mlp_compile_s_cold"] = cold["compile_s"]
-    lines.append(f"\nMLP step compile time, cold caches: {cold['compile_s']:.1f} s (target < 20 s)")
-
     cold_first = cold_first_calls(FIRST_MODES)
     results["mlp_first_call_cold_s"] = cold_first
     ref = cold_first["grad-only"]
-    lines.append("MLP first call, fresh process, empty caches (smaller of two alternating runs)")
+    lines.append("\nMLP first call, fresh process, empty caches (smaller of two alternating runs)")
     for mode, v in cold_first.items():
         lines.append(f"  {mode:10s} {v:6.1f} s   {v / ref:5.2f}x grad-only (target 1: step <= 1.1)")
     cold_gpt = cold_first_calls(tuple(f"gpt:{v}" for v in GPT_VARIANTS))
