@@ -258,13 +258,15 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 raise RuntimeError("rank 1 failed on purpose")
             x, y = batches()[0]
             fg.make_step(loss_fn(m), tx, donate=True)(params, state, x[:6], y[:6])
-        compiled = mode.startswith("compiled")
         backend = "inductor" if mode == "compiled_inductor" else "aot_eager"
+        compile: bool | dict = False
+        if mode.startswith("compiled"):
+            compile = {"backend": backend}
+        elif mode == "gradients":  # the gradients compiled, the sharded tx eager
+            compile = {"backend": backend, "scope": "gradients"}
         m = model()
         tx = fg.sharded(make_tx(m))
-        step = fg.make_step(
-            loss_fn(m), tx, compile={"backend": backend} if compiled else False, donate=True
-        )
+        step = fg.make_step(loss_fn(m), tx, compile=compile, donate=True)
         counters.clear()
         if mode == "save":
             params, state = train(m, tx, step, rank, world, steps=range(NAN_STEP + 1))
