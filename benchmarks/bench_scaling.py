@@ -38,7 +38,7 @@ import funcgrad as fg
 import funcgrad._step as fg_internal_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_step import interleaved
+from bench_step import cold_caches, interleaved
 from hook_answer import attach_hook_answer
 
 DEVICE = torch.device("cpu")
@@ -155,12 +155,7 @@ def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
 
 def run_child(layers: int, width: int, which: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": cache,
-            "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-        }
+        env = {**os.environ, **cold_caches(cache)}
         cmd = [sys.executable, __file__, "--child", str(layers), str(width), which]
         cmd += ["--device", str(DEVICE)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)

@@ -341,6 +341,16 @@ def first_step_child(mode: str) -> None:
     print(json.dumps({"first_step_s": time.perf_counter() - t}))
 
 
+def cold_caches(cache: str) -> dict[str, str]:
+    """Environment for a cold compile: inductor's cache dir at ``cache`` (empty), the FX
+    graph and AOTAutograd caches off."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": cache,
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+    }
+
+
 def cold_first_calls(modes: tuple[str, ...]) -> dict[str, float]:
     """Each mode's first call in its own fresh process with an empty cache dir and the
     FX graph / AOTAutograd caches off, alternating, twice: the smaller of each pair
@@ -351,11 +361,7 @@ def cold_first_calls(modes: tuple[str, ...]) -> dict[str, float]:
     for _ in range(2):
         for mode in modes:
             with tempfile.TemporaryDirectory() as cache:
-                env = {
-                    "TORCHINDUCTOR_CACHE_DIR": cache,
-                    "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-                    "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-                }
+                env = cold_caches(cache)
                 s = run_child("--child", "first", "--variant", mode, env=env)["first_step_s"]
             out[mode] = min(s, out.get(mode, s))
     return out

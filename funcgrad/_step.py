@@ -306,7 +306,7 @@ def make_step(
     # Eager, or not donated: a pure function, committed afterwards.
     in_graph = compiled and donate
     body = donated_step if in_graph else pure_step
-    # (eager steps run eager_step; torch.compile is not even called for them)
+    # (eager and compile="gradients" steps run eager_step; impl is not called for them)
     impl = torch.compile(body, **{**options, "fullgraph": True}) if compiled else body
 
     # Eager and donated: the results are dead once committed, and large CPU ones are
