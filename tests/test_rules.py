@@ -78,6 +78,24 @@ def _py_norm(group):
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in group.values()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "vals",
+    [[0.0, -0.0], [0.0, float("nan")], [-0.0, float("-inf")], [0.0, 1e-40], [0.0, 2.0]],
+)
+def test_all_zero_edge_values_match_python(dtype, vals):
+    """-0.0 is zero; NaN, -inf and a float32 subnormal are not (per dtype, as stored)."""
+    t = torch.tensor(vals, dtype=dtype)
+    expected = all(v == 0 for v in t.double().tolist())
+    assert bool(rules.all_zero()({"w": t, "b": torch.zeros(1, dtype=dtype)})) == expected
+    compiled = torch.compile(rules.all_zero(), backend="aot_eager", fullgraph=True)
+    assert bool(compiled({"w": t, "b": torch.zeros(1, dtype=dtype)})) == expected
+    batched = torch.func.vmap(lambda w: rules.all_zero()({"w": w}))(
+        torch.stack([t, torch.zeros_like(t)])
+    )
+    assert batched.tolist() == [expected, True]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_conditions_match_python(kind):
     group = make_group(kind, torch.float64)
