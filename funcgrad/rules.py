@@ -385,13 +385,16 @@ def zero_fix(
         # "no entry is not zero" is "every entry is zero"; NaN is neither way a zero).
         zeros = {k: _rb.is_zero(t, tol) for k, t in g.items()}
         dead = ~_rb.any_of([~m.all() for m in zeros.values()])
-        value = torch.where(dead, a, z)  # 0-d: a for a dead group, else z
-        as_dtype: dict[torch.dtype, Tensor] = {}  # one cast per dtype, not per tensor
+        # 0-d, a for a dead group, else z: made in each gradient's dtype from the
+        # Python floats (through float32, 0.1 became 0.10000000149 in float64).
+        value: dict[torch.dtype, Tensor] = {}
         out = {}
         for k, t in g.items():
-            if t.dtype not in as_dtype:
-                as_dtype[t.dtype] = value.to(t.dtype)
-            out[k] = torch.where(zeros[k], as_dtype[t.dtype], t)
+            if t.dtype not in value:
+                value[t.dtype] = torch.where(
+                    dead, torch.full((), a, dtype=t.dtype, device=t.device), z
+                )
+            out[k] = torch.where(zeros[k], value[t.dtype], t)
         return out
 
     extra = f", atol={tol}" if tol else ""

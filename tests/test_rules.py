@@ -96,6 +96,38 @@ def test_all_zero_edge_values_match_python(dtype, vals):
     assert batched.tolist() == [expected, True]
 
 
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "value", [0.5, 0.1, 1e-40, 1e-46, 6e4, 1 + 2**-11 + 2**-30, 0.0, -0.0, -3.7, -1e-46]
+)
+def test_zero_rules_give_the_values_of_torch_where_in_every_dtype(dtype, value):
+    """replace_zeros and zero_fix (both branches) put ``value`` rounded once to the
+    gradient's dtype, bit for bit as torch.where and torch.full do, eager, traced and
+    vmapped: also values that round to zero or (1 + 2**-11 + 2**-30) round differently
+    through float32. zero_fix used to pass its values through float32 (0.1 came out
+    0.10000000149 in float64)."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(1003, generator=g).to(dtype)
+    t[torch.rand(1003, generator=g) < 0.3] = 0.0
+    special = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3.0]
+    t[: len(special)] = torch.tensor(special, dtype=torch.float64).to(dtype)
+    want = torch.where(t == 0, value, t)
+    for got in (
+        rules.replace_zeros(value)({"w": t})["w"],
+        rules.zero_fix(if_zero=value)({"w": t, "b": torch.ones(1, dtype=dtype)})["w"],
+        torch.compile(rules.replace_zeros(value), backend="aot_eager")({"w": t})["w"],
+        torch.func.vmap(lambda r: rules.replace_zeros(value)({"w": r})["w"])(t[None])[0],
+    ):
+        assert got.dtype == dtype
+        assert torch.equal(_bits(got), _bits(want))
+    dead = rules.zero_fix(if_all_zero=value)({"w": torch.zeros(5, dtype=dtype)})["w"]
+    assert torch.equal(_bits(dead), _bits(torch.full((5,), value, dtype=dtype)))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_conditions_match_python(kind):
     group = make_group(kind, torch.float64)
