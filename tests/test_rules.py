@@ -85,6 +85,7 @@ def _py_norm(group):
 )
 def test_all_zero_edge_values_match_python(dtype, vals):
     """-0.0 is zero; NaN, -inf and a float32 subnormal are not (per dtype, as stored)."""
+    torch._dynamo.reset()  # a fresh cache: no case runs eagerly past the recompile limit
     t = torch.tensor(vals, dtype=dtype)
     expected = all(v == 0 for v in t.double().tolist())
     assert bool(rules.all_zero()({"w": t, "b": torch.zeros(1, dtype=dtype)})) == expected
@@ -110,17 +111,24 @@ def test_zero_rules_give_the_values_of_torch_where_in_every_dtype(dtype, value):
     vmapped: also values that round to zero or (1 + 2**-11 + 2**-30) round differently
     through float32. zero_fix used to pass its values through float32 (0.1 came out
     0.10000000149 in float64)."""
+    torch._dynamo.reset()  # a fresh cache: no case runs eagerly past the recompile limit
     g = torch.Generator().manual_seed(0)
     t = torch.randn(1003, generator=g).to(dtype)
     t[torch.rand(1003, generator=g) < 0.3] = 0.0
     special = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3.0]
     t[: len(special)] = torch.tensor(special, dtype=torch.float64).to(dtype)
     want = torch.where(t == 0, value, t)
+    one = torch.ones(1, dtype=dtype)
+    fix = rules.zero_fix(if_zero=value)
     for got in (
         rules.replace_zeros(value)({"w": t})["w"],
-        rules.zero_fix(if_zero=value)({"w": t, "b": torch.ones(1, dtype=dtype)})["w"],
-        torch.compile(rules.replace_zeros(value), backend="aot_eager")({"w": t})["w"],
+        fix({"w": t, "b": one})["w"],
+        torch.compile(rules.replace_zeros(value), backend="aot_eager", fullgraph=True)({"w": t})[
+            "w"
+        ],
+        torch.compile(fix, backend="aot_eager", fullgraph=True)({"w": t, "b": one})["w"],
         torch.func.vmap(lambda r: rules.replace_zeros(value)({"w": r})["w"])(t[None])[0],
+        torch.func.vmap(lambda r: fix({"w": r, "b": one})["w"])(t[None])[0],
     ):
         assert got.dtype == dtype
         assert torch.equal(_bits(got), _bits(want))
