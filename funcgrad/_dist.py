@@ -53,6 +53,19 @@ def all_reduce_mean(
         tx = fg.chain(fg.all_reduce_mean(),
                       fg.per_group(fg.rules.zero_fix(), groups),
                       fg.adam())
+
+    Runnable in one process (a group of one rank, where the mean is the gradient):
+
+        >>> import torch, torch.distributed as dist, funcgrad as fg
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> try:
+        ...     tx = fg.chain(fg.all_reduce_mean(), fg.adam(lr=0.1))
+        ...     params = {"w": torch.ones(2)}
+        ...     updates, _ = tx.update({"w": torch.tensor([1.0, -1.0])}, tx.init(params), params)
+        ... finally:
+        ...     dist.destroy_process_group()
+        >>> updates["w"]
+        tensor([-0.1000,  0.1000])
     """
     import torch.distributed._functional_collectives as fc
 

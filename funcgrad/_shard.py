@@ -372,6 +372,21 @@ def sharded(
         tx = fg.sharded(fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam()))
         state = tx.init(params)       # each rank: its rows of mu and nu
         step = fg.make_step(loss_fn, tx, compile=True, donate=True)
+
+    Runnable in one process (a group of one rank, which holds all the rows):
+
+        >>> import torch, torch.distributed as dist, funcgrad as fg
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> try:
+        ...     rule = fg.per_group(fg.rules.zero_fix(), {"layer": ["w"]})
+        ...     tx = fg.sharded(fg.chain(rule, fg.adam(lr=0.1)))
+        ...     params = {"w": torch.ones(2)}
+        ...     state = tx.init(params)
+        ...     updates, state = tx.update({"w": torch.tensor([0.0, -1.0])}, state, params)
+        ... finally:
+        ...     dist.destroy_process_group()
+        >>> type(state).__name__, updates["w"]  # the zero became 0.5, then Adam's sign step
+        ('ShardedState', tensor([-0.1000,  0.1000]))
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fg.sharded: wraps a GradientTransformation, got {type(tx).__name__}.")
