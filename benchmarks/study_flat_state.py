@@ -3,8 +3,8 @@
 STYLE.md and #13 name "parameters and moments kept in a few flat buffers with
 per-name views" as the lever for the compile time of ``make_step(compile=True)``.
 This script measures that before funcgrad's state layout changes. It is a study,
-not funcgrad's code path: the flat variants are hand-written steps (the seed rule per
-layer + Adam, donated) that funcgrad does not offer.
+not funcgrad's code path: the flat variants are hand-written steps (``fg.rules.zero_fix``
+per layer + Adam, donated) that funcgrad does not offer.
 
 Variants, each compiled in a fresh process with empty inductor caches (the
 ``cold_caches`` of bench_step.py), first call then median step:
@@ -73,17 +73,13 @@ def flat_step(
     for k, p in named.items():
         spans[k] = (offset, p.numel())
         offset += p.numel()
-    groups: dict[str, list[str]] = {}
-    for k in named:
-        groups.setdefault(k.rpartition(".")[0], []).append(k)
+    groups = fg.group_by_module(m)
+    rule = fg.rules.zero_fix()  # the shipped step's rule, per group
 
     def update(grads: dict[str, Tensor], mu: Tensor, nu: Tensor, count: Tensor):
-        fixed = {}
+        fixed: dict[str, Tensor] = {}
         for keys in groups.values():
-            all_zero = ~torch.stack([grads[k].any() for k in keys]).any()
-            for k in keys:
-                g = grads[k]
-                fixed[k] = torch.where(all_zero, torch.ones_like(g), torch.where(g == 0, 0.5, g))
+            fixed.update(rule({k: grads[k] for k in keys}))
         g = torch.cat([fixed[k].reshape(-1) for k in named])
         c = (count + 1).to(torch.float64)
         inv_bc2 = (1 - B2**c).rsqrt().to(torch.float32)
