@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
+from ._compose import transform_active
 from ._state import invariants
 
 
@@ -46,10 +47,11 @@ invariants(AccumulateState, mini_step="nonnegative", acc="finite")
 def _branch(pred: Tensor, yes: Callable[..., Any], no: Callable[..., Any], args: Any) -> Any:
     """``yes(*args)`` where ``pred`` holds, else ``no(*args)``; trees matched by key.
 
-    Eagerly only the chosen branch runs; traced (compile, or make_step's checks on
-    shape-only tensors), both run and ``torch.where`` selects (module docstring).
+    Eagerly only the chosen branch runs; traced (compile, make_step's checks on
+    shape-only tensors, or under a ``torch.func`` transform, where ``vmap`` cannot
+    read the flag), both run and ``torch.where`` selects (module docstring).
     """
-    if not (pred.is_meta or torch.compiler.is_compiling()):
+    if not (pred.is_meta or torch.compiler.is_compiling() or transform_active()):
         return yes(*args) if bool(pred) else no(*args)
     return pytree.tree_map(lambda a, b: torch.where(pred, a, b), yes(*args), no(*args))
 

@@ -10,6 +10,9 @@ With gradient :math:`g_t`, parameters :math:`p`, step :math:`t` (1-based)::
     u_t   = -lr / (1 - b1^t) * m_t / (sqrt(v^_t) * (1 / sqrt(1 - b2^t)) + eps)
     u_t  <- u_t - lr * wd * p                  AdamW (decoupled), if wd != 0
 
+With ``eps_root > 0`` (opt-in; off, it is torch's rule) the denominator is
+``sqrt(v^_t / (1 - b2^t) + eps_root) + eps``, differentiable where ``v^_t == 0``.
+
 The step counter is an int64 0-d tensor and the bias corrections are computed in
 float64 (as torch does in Python doubles), then cast to the compute dtype: no
 recompiles as the step grows, and no drift from ``torch.optim``. float16 and bfloat16
@@ -35,6 +38,7 @@ from ._base import (
     params_device,
     shardable,
 )
+from ._compose import composing, plain_value
 from ._fusion import realize
 from ._scratch import BIG, Scratch, borrowing
 from ._state import invariants
@@ -45,6 +49,11 @@ LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
 float64 to match torch.optim exactly, since float32 cannot hold 0.02), or a schedule
 ``count -> lr`` where ``count`` is the number of steps already taken, as a float64
 0-d tensor (0 on the first step, like ``LambdaLR``'s epoch)."""
+
+
+Hyper = Union[float, Tensor]
+"""A hyperparameter: a float, or a 0-d tensor (learnable: gradients flow into it
+when the update is differentiated, see funcgrad/_compose.py)."""
 
 
 class AdamState(NamedTuple):
@@ -69,25 +78,58 @@ invariants(
 )
 
 
-def _bias_scalars(count: Tensor, lr: Tensor, b1: float, b2: float) -> Tensor:
+def _as64(x: Hyper, like: Tensor) -> Tensor:
+    """A hyperparameter as a float64 0-d tensor beside ``like`` (a float becomes a
+    constant; a tensor keeps its autograd history)."""
+    if isinstance(x, Tensor):
+        return x.to(device=like.device, dtype=torch.float64)
+    return torch.tensor(x, dtype=torch.float64, device=like.device)
+
+
+def _bias_scalars(count: Tensor, lr: Tensor, b1: Hyper, b2: Hyper) -> Tensor:
     """``[lr / (1 - b1^t), 1 / sqrt(1 - b2^t)]`` in float64 for ``t = count``, as torch
     computes them in Python doubles."""
     t = count.to(torch.float64)
-    bc1 = 1.0 - torch.pow(torch.tensor(b1, dtype=torch.float64, device=t.device), t)
-    bc2 = 1.0 - torch.pow(torch.tensor(b2, dtype=torch.float64, device=t.device), t)
+    bc1 = 1.0 - torch.pow(_as64(b1, t), t)
+    bc2 = 1.0 - torch.pow(_as64(b2, t), t)
     return realize(torch.stack([lr / bc1, 1.0 / torch.sqrt(bc2)]))
 
 
+def _check_number(
+    x: Hyper, what: str, ok: Callable[[float], bool], message: str, short: str = ""
+) -> None:
+    """Validate a float or 0-d tensor hyperparameter; a tensor's value is checked
+    where it can be read (not while compiled or under ``vmap``)."""
+    if isinstance(x, Tensor):
+        short = short or what
+        if x.dim() != 0:
+            raise ValueError(
+                f"Invalid {what}: a tensor {short} must be 0-d, got shape {tuple(x.shape)}."
+            )
+        if not torch.is_floating_point(x):
+            raise TypeError(
+                f"Invalid {what}: a tensor {short} must be floating point (float64 "
+                f"matches torch.optim exactly), got {x.dtype}."
+            )
+        value = plain_value(x)
+        if value is not None and not ok(value):
+            raise ValueError(message.format(value))
+        return
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"Invalid {what}: {x!r}. Use a float or a 0-d tensor.")
+    if not ok(x):
+        raise ValueError(message.format(x))
+
+
 def _check_hparams(
-    lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float
+    lr: LearningRate,
+    betas: tuple[Hyper, Hyper],
+    eps: Hyper,
+    weight_decay: Hyper,
+    eps_root: float,
 ) -> None:
     if isinstance(lr, Tensor):
-        if lr.numel() != 1 or lr.dim() != 0:
-            raise ValueError(
-                f"Invalid learning rate: a tensor lr must be 0-d, got shape {tuple(lr.shape)}."
-            )
-        if not torch.compiler.is_compiling() and not lr.item() >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr.item()}")
+        _check_number(lr, "learning rate", lambda v: v >= 0.0, "Invalid learning rate: {}", "lr")
     elif callable(lr):
         pass
     elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
@@ -100,12 +142,18 @@ def _check_hparams(
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2).")
     for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    if not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        _check_number(
+            b,
+            f"beta parameter at index {i}",
+            lambda v: 0.0 <= v < 1.0,
+            f"Invalid beta parameter at index {i}: {{}}",
+        )
+    _check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
+    _check_number(
+        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
+    )
+    if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or not eps_root >= 0:
+        raise ValueError(f"Invalid eps_root value: {eps_root!r}; expected a float >= 0.")
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -154,20 +202,41 @@ def _mask_resolver(mask: DecayMask, who: str) -> Callable[[Params], dict[str, bo
     )
 
 
+class _Hyper(NamedTuple):
+    b1: Hyper
+    b2: Hyper
+    eps: Hyper
+    weight_decay: Hyper
+    amsgrad: bool
+    maximize: bool
+    decoupled: bool
+    eps_root: float
+
+
 def _adam(
     lr: LearningRate,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
+    betas: tuple[Hyper, Hyper],
+    eps: Hyper,
+    weight_decay: Hyper,
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
     mask: DecayMask,
+    eps_root: float,
 ) -> GradientTransformation:
-    _check_hparams(lr, betas, eps, weight_decay)
-    b1, b2 = float(betas[0]), float(betas[1])
+    _check_hparams(lr, betas, eps, weight_decay, eps_root)
     name = "adamw" if decoupled else "adam"
-    hp = _Hyper(b1, b2, float(eps), float(weight_decay), amsgrad, maximize, decoupled)
+    b1, b2, eps_, wd = (
+        x if isinstance(x, Tensor) else float(x) for x in (*betas, eps, weight_decay)
+    )
+    hp = _Hyper(b1, b2, eps_, wd, amsgrad, maximize, decoupled, float(eps_root))
+    # A tensor weight decay is taken as nonzero (no Python branch on its value).
+    has_decay = isinstance(hp.weight_decay, Tensor) or hp.weight_decay != 0.0
+    # The multi-tensor path takes Python floats only; tensor hyperparameters and
+    # eps_root always run the per-tensor math.
+    foreach_ok = eps_root == 0.0 and not any(
+        isinstance(x, Tensor) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay)
+    )
     decays = _mask_resolver(mask, f"fg.{name}")
 
     def init(params: Params) -> AdamState:
@@ -191,96 +260,100 @@ def _adam(
                 f"{sorted(grads)}{' (with amsgrad)' if amsgrad else ''}. Was the state "
                 "built by another transformation or for another model?"
             )
-        if weight_decay != 0.0 and params is None:
+        if has_decay and params is None:
             raise ValueError(
                 f"fg.{name}(weight_decay={weight_decay}) needs the parameters: call "
                 "tx.update(grads, state, params)."
             )
-        decay = decays(params) if weight_decay != 0.0 and params is not None else {}
+        decay = decays(params) if has_decay and params is not None else {}
         count = state.count + 1
         # Schedules see the steps taken so far as a float64 0-d tensor, so that
         # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
         lr_t = (
             lr(state.count.to(torch.float64)) if callable(lr) and not isinstance(lr, Tensor) else lr
         )
-        if isinstance(lr_t, Tensor):
-            lr_t = lr_t.to(device=count.device, dtype=torch.float64)
-        else:
-            lr_t = torch.tensor(lr_t, dtype=torch.float64, device=count.device)
-        scalars = _bias_scalars(count, lr_t, b1, b2)
+        lr_t = _as64(lr_t, count)
+        scalars = _bias_scalars(count, lr_t, hp.b1, hp.b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
-        if _multi_tensor():
+        lr_decay = lr_t * hp.weight_decay
+        if foreach_ok and not composing(grads, params, state.mu, state.nu, state.nu_max, lr_t):
             # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
             # dispatch per operation and dtype instead of one per tensor.
             fast = _foreach_adam(
-                grads, state, params, decay, -step_size, inv_bc2_sqrt, lr_t * weight_decay, hp
+                grads, state, params, decay, -step_size, inv_bc2_sqrt, lr_decay, hp
             )
             return fast[0], AdamState(count, *fast[1:])
-
-        # The step's scalars in each compute dtype, converted once per dtype.
-        per_dtype: dict[torch.dtype, tuple[Tensor, Tensor, Tensor]] = {}
-        updates: Params = {}
-        mu: Params = {}
-        nu: Params = {}
-        nu_max: Params = {}
-        for k, g in grads.items():
-            # torch's "opmath": half-precision tensors are computed in float32 and
-            # only stored in their own dtype (g * g overflows float16 at |g| > 256).
-            sdt = state.mu[k].dtype
-            dt = torch.float32 if sdt in _HALF else sdt
-            if dt not in per_dtype:
-                per_dtype[dt] = (
-                    (-step_size).to(dt),
-                    inv_bc2_sqrt.to(dt),
-                    (lr_t * weight_decay).to(dt),
-                )
-            neg_step, inv_bc2, lr_decay = per_dtype[dt]
-            g = g.to(dt)
-            if maximize:
-                g = -g
-            if decay.get(k, False) and not decoupled:
-                assert params is not None
-                g = g + weight_decay * params[k].to(dt)
-            m = torch.lerp(state.mu[k].to(dt), g, 1.0 - b1)
-            # (1 - b2) * g first, then * g: no overflow where torch has none (its addcmul
-            # computes value * t1 * t2 in that order), and not addcmul itself, whose
-            # decomposition under torch.compile rounds differently from eager.
-            v = state.nu[k].to(dt) * b2 + ((1.0 - b2) * g) * g
-            # Stored in the parameter's dtype; this step goes on with the float32 values
-            # (torch re-reads its rounded float16 copies: a second moment below 6e-8
-            # then reads as 0, and its update becomes inf/NaN where this one is finite).
-            mu[k], nu[k] = m.to(sdt), v.to(sdt)
-            if amsgrad:
-                v = torch.maximum(state.nu_max[k].to(dt), v)
-                nu_max[k] = v.to(sdt)
-            # One division per element, not two: sqrt(v) * (1 / sqrt(bc2)) differs from
-            # torch's sqrt(v) / sqrt(bc2) by at most an ulp. In-place ops only touch
-            # tensors made here (fewer temporaries eagerly; compile functionalizes).
-            denom = torch.sqrt(v).mul_(inv_bc2).add_(eps)
-            u = torch.div(m, denom).mul_(neg_step)
-            if decay.get(k, False) and decoupled:
-                assert params is not None
-                u = u.sub_(lr_decay * params[k].to(dt))
-            updates[k] = u
-        return updates, AdamState(count, mu, nu, nu_max)
+        return _single_tensor_adam(
+            grads, state, params, decay, step_size, inv_bc2_sqrt, lr_decay, hp
+        )
 
     return shardable(GradientTransformation(init, update))
 
 
-def _multi_tensor() -> bool:
-    """Eagerly, Adam runs on lists of tensors; traced, tensor by tensor (inductor fuses
-    each parameter's update into one loop, and traces lists no faster)."""
-    return not torch.compiler.is_compiling()
-
-
-class _Hyper(NamedTuple):
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-    maximize: bool
-    decoupled: bool
+def _single_tensor_adam(
+    grads: Params,
+    state: AdamState,
+    params: Params | None,
+    decay: Mapping[str, bool],
+    step_size: Tensor,
+    inv_bc2_sqrt: Tensor,
+    lr_decay: Tensor,
+    hp: _Hyper,
+) -> tuple[Params, AdamState]:
+    """Adam tensor by tensor, without in-place ops: what ``torch.compile`` traces, and
+    what runs under ``torch.func`` transforms and differentiating autograd (where the
+    multi-tensor path would give wrong derivatives or no batching rule)."""
+    b1, b2, wd = hp.b1, hp.b2, hp.weight_decay
+    # The step's scalars in each compute dtype, converted once per dtype.
+    per_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}
+    updates: Params = {}
+    mu: Params = {}
+    nu: Params = {}
+    nu_max: Params = {}
+    for k, g in grads.items():
+        # torch's "opmath": half-precision tensors are computed in float32 and
+        # only stored in their own dtype (g * g overflows float16 at |g| > 256).
+        sdt = state.mu[k].dtype
+        dt = torch.float32 if sdt in _HALF else sdt
+        if dt not in per_dtype:
+            per_dtype[dt] = ((-step_size).to(dt), inv_bc2_sqrt.to(dt), lr_decay.to(dt))
+        neg_step, inv_bc2, lr_wd = per_dtype[dt]
+        # Tensor hyperparameters in the compute dtype; floats stay Python floats, so
+        # the ops are those of the multi-tensor path, bit for bit.
+        c1, c2, w, e = (
+            x.to(dt) if isinstance(x, Tensor) else x for x in (1.0 - b1, 1.0 - b2, wd, hp.eps)
+        )
+        g = g.to(dt)
+        if hp.maximize:
+            g = -g
+        if decay.get(k, False) and not hp.decoupled:
+            assert params is not None
+            g = g + w * params[k].to(dt)
+        m = torch.lerp(state.mu[k].to(dt), g, c1)
+        # (1 - b2) * g first, then * g: no overflow where torch has none (its addcmul
+        # computes value * t1 * t2 in that order), and not addcmul itself, whose
+        # decomposition under torch.compile rounds differently from eager.
+        v = state.nu[k].to(dt) * (b2 if not isinstance(b2, Tensor) else b2.to(dt)) + (c2 * g) * g
+        # Stored in the parameter's dtype; this step goes on with the float32 values
+        # (torch re-reads its rounded float16 copies: a second moment below 6e-8
+        # then reads as 0, and its update becomes inf/NaN where this one is finite).
+        mu[k], nu[k] = m.to(sdt), v.to(sdt)
+        if hp.amsgrad:
+            v = torch.maximum(state.nu_max[k].to(dt), v)
+            nu_max[k] = v.to(sdt)
+        # One division per element, not two: sqrt(v) * (1 / sqrt(bc2)) differs from
+        # torch's sqrt(v) / sqrt(bc2) by at most an ulp. With eps_root (optax's), the
+        # root of v / bc2 + eps_root: differentiable where v == 0.
+        if hp.eps_root:
+            denom = torch.sqrt(v * (inv_bc2 * inv_bc2) + hp.eps_root) + e
+        else:
+            denom = torch.sqrt(v) * inv_bc2 + e
+        u = torch.div(m, denom) * neg_step
+        if decay.get(k, False) and hp.decoupled:
+            assert params is not None
+            u = u - lr_wd * params[k].to(dt)
+        updates[k] = u
+    return updates, AdamState(state.count + 1, mu, nu, nu_max)
 
 
 def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -302,6 +375,7 @@ def _foreach_adam(
     tensors: the same operations in the same order, so the same values bit for bit
     (tested against the per-tensor loop, which is what ``torch.compile`` traces)."""
     fe = torch
+    b1, b2, eps, l2_wd = (float(x) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay))  # floats here
     by_dtype: dict[torch.dtype, list[str]] = {}
     pooled: list[tuple[str, Scratch]] = []  # large CPU tensors, donated eager step
     for k, grad in grads.items():
@@ -331,12 +405,12 @@ def _foreach_adam(
         l2 = [i for i, k in enumerate(keys) if decay.get(k, False)]
         if l2 and not hp.decoupled:
             assert params is not None
-            wd = fe._foreach_mul([params[keys[i]].to(dt) for i in l2], hp.weight_decay)
+            wd = fe._foreach_mul([params[keys[i]].to(dt) for i in l2], l2_wd)
             for i, new in zip(l2, fe._foreach_add([g[i] for i in l2], wd), strict=True):
                 g[i] = new
-        m = fe._foreach_lerp([_to(state.mu[k], dt) for k in keys], g, 1.0 - hp.b1)
-        v = fe._foreach_mul([_to(state.nu[k], dt) for k in keys], hp.b2)
-        sq = fe._foreach_mul(g, 1.0 - hp.b2)
+        m = fe._foreach_lerp([_to(state.mu[k], dt) for k in keys], g, 1.0 - b1)
+        v = fe._foreach_mul([_to(state.nu[k], dt) for k in keys], b2)
+        sq = fe._foreach_mul(g, 1.0 - b2)
         fe._foreach_mul_(sq, g)
         fe._foreach_add_(v, sq)
         for k, mk, vk in zip(keys, m, v, strict=True):
@@ -347,7 +421,7 @@ def _foreach_adam(
                 nu_max[k] = _to(vk, sdt)
         denom = fe._foreach_sqrt(v)
         fe._foreach_mul_(denom, inv_bc2)
-        fe._foreach_add_(denom, hp.eps)
+        fe._foreach_add_(denom, eps)
         u = fe._foreach_div(m, denom)
         fe._foreach_mul_(u, neg_step)
         if l2 and hp.decoupled:
@@ -381,16 +455,17 @@ def _adam_into(
     ``(update, mu, nu[, nu_max])``."""
     sdt = state.mu[k].dtype
     dt = torch.float32 if sdt in _HALF else sdt
+    b1, b2, eps, l2_wd = (float(x) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay))
     g = _to(grad, dt)
     if hp.maximize:
         g = torch.neg(g, out=scratch.take(g, dt))
     if decays and not hp.decoupled:
         assert params is not None
-        wd = torch.mul(params[k].to(dt), hp.weight_decay, out=scratch.take(g, dt))
+        wd = torch.mul(params[k].to(dt), l2_wd, out=scratch.take(g, dt))
         g = torch.add(g, wd, out=scratch.take(g, dt))
-    m = torch.lerp(_to(state.mu[k], dt), g, 1.0 - hp.b1, out=scratch.take(g, dt))
-    v = torch.mul(_to(state.nu[k], dt), hp.b2, out=scratch.take(g, dt))
-    sq = torch.mul(g, 1.0 - hp.b2, out=scratch.take(g, dt))
+    m = torch.lerp(_to(state.mu[k], dt), g, 1.0 - b1, out=scratch.take(g, dt))
+    v = torch.mul(_to(state.nu[k], dt), b2, out=scratch.take(g, dt))
+    sq = torch.mul(g, 1.0 - b2, out=scratch.take(g, dt))
     sq.mul_(g)
     v.add_(sq)
     out: tuple[Tensor, ...] = (_to(m, sdt), _to(v, sdt))
@@ -398,7 +473,7 @@ def _adam_into(
         v = torch.maximum(_to(state.nu_max[k], dt), v, out=scratch.take(g, dt))
         out += (_to(v, sdt),)
     denom = torch.sqrt(v, out=sq)  # sq is not read again
-    denom.mul_(_to(inv_bc2_64, dt)).add_(hp.eps)
+    denom.mul_(_to(inv_bc2_64, dt)).add_(eps)
     u = torch.div(m, denom, out=scratch.take(g, dt))
     u.mul_(_to(neg_step64, dt))
     if decays and hp.decoupled:
@@ -409,12 +484,13 @@ def _adam_into(
 
 def adam(
     lr: LearningRate = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    betas: tuple[Hyper, Hyper] = (0.9, 0.999),
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
     amsgrad: bool = False,
     maximize: bool = False,
     mask: DecayMask = None,
+    eps_root: float = 0.0,
 ) -> GradientTransformation:
     """Adam, equal step for step to ``torch.optim.Adam`` with the same arguments.
 
@@ -422,6 +498,15 @@ def adam(
     :func:`adamw` for decoupled decay. The update rule is in this module's docstring.
     ``mask`` says where weight decay applies (see ``DecayMask``): with a mask, equal to
     ``torch.optim.Adam`` with a decay and a no-decay param group.
+
+    Differentiable and vmappable (meta-learning, ensembles): ``lr``, ``betas``,
+    ``eps`` and ``weight_decay`` may be 0-d tensors that carry gradients, and under
+    ``torch.func.grad``/``vmap`` (or autograd recording through it) the update takes
+    its plain per-tensor math. ``sqrt(nu)`` has no derivative where ``nu == 0`` (an
+    exact-zero gradient on the first step): a derivative through such an entry is
+    NaN, as in any Adam. ``eps_root > 0`` (optax's) takes the root of
+    ``nu_hat + eps_root`` instead, finite there; it changes the update, so it is off
+    by default (equal to ``torch.optim``).
 
     Example:
         >>> import torch, funcgrad as fg
@@ -431,24 +516,25 @@ def adam(
         >>> fg.apply_updates(params, updates), int(state.count)
         ({'w': tensor([ 0.9000, -0.9000])}, 1)
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, False, mask)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, False, mask, eps_root)
 
 
 def adamw(
     lr: LearningRate = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    betas: tuple[Hyper, Hyper] = (0.9, 0.999),
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 1e-2,
     amsgrad: bool = False,
     maximize: bool = False,
     mask: DecayMask = None,
+    eps_root: float = 0.0,
 ) -> GradientTransformation:
     """AdamW, equal step for step to ``torch.optim.AdamW`` with the same arguments.
 
     Decoupled weight decay: ``p <- p - lr * weight_decay * p`` besides the Adam step,
     only where ``mask`` says so (e.g. ``mask=lambda name, p: p.ndim > 1`` keeps decay
     off biases and norm weights): equal to ``torch.optim.AdamW`` with a decay and a
-    no-decay param group.
+    no-decay param group. Tensor hyperparameters and ``eps_root``: see :func:`adam`.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -458,4 +544,4 @@ def adamw(
         >>> fg.apply_updates(params, updates)  # 1 - 0.1 * 0.5 * 1 - 0.1
         {'w': tensor([0.8500])}
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, True, mask)
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, True, mask, eps_root)

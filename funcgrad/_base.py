@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from ._compose import composing
 from ._tree import names_mismatch
 
 Params = dict[str, Tensor]
@@ -153,7 +154,8 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
             f"{names_mismatch(params, updates)}. Pass the updates returned by "
             "tx.update(grads, state, params) for these same params."
         )
-    if torch.compiler.is_compiling() or not params:
+    if not params or composing(params, updates):
+        # Traced, or under torch.func / differentiating autograd: plain additions.
         return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
     # Eagerly, one dispatch for all tensors (the same additions, bit for bit).
     new = torch._foreach_add(list(params.values()), updates_as_params(params, updates))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State
+from ._compose import is_transformed
 from ._model import explain_buffer_write
 from ._per_sample import check_batch
 from ._tree import tensor_paths
@@ -39,7 +40,8 @@ def _check_tensors(
     seen: dict[int, str] = {}
     for where, tree in (("params", params), ("state", state), ("buffers", buffers)):
         for path, t in tensor_paths(tree, where):
-            if t.requires_grad:
+            # (under torch.func.grad the inputs are the transform's tracked tensors)
+            if t.requires_grad and not is_transformed(t):
                 raise ValueError(
                     f"fg.make_step: {path} requires grad. The step differentiates with "
                     "torch.func.grad itself; a tensor that requires grad would make every "

@@ -40,6 +40,7 @@ from torch.func import grad_and_value
 
 from ._base import GradientTransformation, Params, State, apply_updates, updates_as_params
 from ._checks import Checks, LossFn, compile_scope, explain_compile_failure
+from ._compose import transform_active
 from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write, watching_buffers
 from ._per_sample import vmapped_grads
 from ._scratch import Scratch, lending
@@ -314,6 +315,18 @@ def make_step(
     per_thread = _PerThread()
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        if transform_active():
+            # Under torch.func.grad/vmap (meta-learning, ensembles): the pure step's
+            # math, eagerly; no fast path (plain autograd, scratch buffers), no write.
+            if donate:
+                raise ValueError(
+                    "fg.make_step(donate=True): the step runs under a torch.func "
+                    "transform (grad, vmap, ...), where its results are the transform's "
+                    "outputs and cannot be written into the given tensors. Build the "
+                    "step with donate=False and use what it returns."
+                )
+            checks(params, state, args)
+            return pure_step(params, state, *args)
         fresh = checks(params, state, args)
         scratch = per_thread.scratch
         try:
