@@ -32,6 +32,7 @@ test: lint
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_per_sample.py
+	$(PY) benchmarks/bench_compose.py
 	$(PY) benchmarks/bench_dist.py
 	$(PY) benchmarks/bench_longrun.py
 	$(PY) benchmarks/bench_scaling.py

@@ -147,6 +147,7 @@ def _check_hparams(
             f"beta parameter at index {i}",
             lambda v: 0.0 <= v < 1.0,
             f"Invalid beta parameter at index {i}: {{}}",
+            "beta",
         )
     _check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
     _check_number(

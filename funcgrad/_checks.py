@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State
-from ._compose import is_transformed
+from ._compose import is_transformed, transform_active
 from ._model import explain_buffer_write
 from ._per_sample import check_batch
 from ._tree import tensor_paths
@@ -144,8 +144,11 @@ class Checks:
             )
         _check_tensors(params, state, args[0] if self.buffers else {}, self.donate)
         try:  # run the transformation's own checks on shape-only tensors
-            mp = _meta(params)
-            self.tx.update(mp, _meta(state), mp)
+            # (not under a torch.func transform: the step then runs eagerly, where a
+            # host read is allowed, and meta tensors cannot be made inside grad)
+            if not transform_active():
+                mp = _meta(params)
+                self.tx.update(mp, _meta(state), mp)
         except NotImplementedError:
             pass
         except RuntimeError as err:

@@ -382,6 +382,39 @@ CASES = [
         lambda: fg.adam(betas=(0.9,)),
     ),
     ("Invalid beta parameter at index 1: 1.0", ValueError, lambda: fg.adamw(betas=(0.9, 1.0))),
+    (
+        "Invalid beta parameter at index 0: 1.5",
+        ValueError,
+        lambda: fg.adam(betas=(torch.tensor(1.5, dtype=torch.float64), 0.9)),
+    ),
+    (
+        "Invalid beta parameter at index 0: a tensor beta must be 0-d, got shape (2,).",
+        ValueError,
+        lambda: fg.adam(betas=(torch.ones(2), 0.9)),
+    ),
+    (
+        "Invalid learning rate: a tensor lr must be floating point (float64 matches "
+        "torch.optim exactly), got torch.int64.",
+        TypeError,
+        lambda: fg.adam(lr=torch.tensor(1)),
+    ),
+    (
+        "Invalid eps_root value: -1.0; expected a float >= 0.",
+        ValueError,
+        lambda: fg.adam(eps_root=-1.0),
+    ),
+    (
+        "fg.make_step(donate=True): the step runs under a torch.func transform (grad, "
+        "vmap, ...), where its results are the transform's outputs",
+        ValueError,
+        lambda: torch.func.vmap(
+            fg.make_step(lambda p, x: (p["w"] * x).sum(), fg.adam(), donate=True)
+        )(
+            {"w": torch.zeros(2, 3)},
+            torch.func.vmap(fg.adam().init)({"w": torch.zeros(2, 3)}),
+            torch.ones(2, 3),
+        ),
+    ),
     ("Invalid epsilon value: -1.0", ValueError, lambda: fg.adam(eps=-1.0)),
     ("Invalid weight_decay value: -1.0", ValueError, lambda: fg.adam(weight_decay=-1.0)),
     (

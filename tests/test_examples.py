@@ -155,3 +155,25 @@ def test_exact_zeros_example_shows_the_trap_and_the_tolerance(capsys):
         assert res[model]["atol=0"][tensor] > 1e-3
         # ... and with a tolerance they agree everywhere.
         assert max(res[model]["atol=1e-12"].values()) < 1e-9
+
+
+def test_maml_sine_example_adapts(tmp_path, capsys):
+    import maml_sine
+
+    out = maml_sine.main(["--iterations", "40", "--test-tasks", "20", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert "held-out tasks (20)" in text
+    for key in ("adapted", "not_adapted", "random_init_adapted", "inner_lr"):
+        assert math.isfinite(out[key]), key
+    # three inner steps on the support points lower the query loss of the meta-init
+    assert out["adapted"] < out["not_adapted"]
+    assert Path(out["png"]).stat().st_size > 10_000
+
+
+def test_ensemble_example_matches_the_loop(capsys):
+    import ensemble
+
+    out = ensemble.main(["--models", "3", "--steps", "20", "--hidden", "16"])
+    assert "largest parameter difference" in capsys.readouterr().out
+    assert out["max_param_diff"] < 1e-4  # float32: vmapped kernels round differently
+    assert out["ensemble_acc"] > 0.5 and out["member_acc_mean"] > 0.5
