@@ -10,7 +10,7 @@ What funcgrad does here:
   with ``torch.func.grad`` / ``tx.update`` / ``fg.apply_updates``; the outer loop
   differentiates through all of it (second order, no first-order shortcut);
 - the inner learning rate is a 0-d tensor learned by the outer loop (Meta-SGD's
-  idea, one scalar), scaling Adam's updates;
+  idea, one scalar): ``fg.adam(lr=lr)``, its gradient flowing through Adam's update;
 - the tasks of a meta-batch are one ``torch.func.vmap``;
 - the outer optimizer is ``fg.adam`` too, and the whole outer step can be compiled
   (``--compile``; eager by default, since the nested second-order graph takes
@@ -95,21 +95,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     groups = fg.Groups({f"l{i}": (f"l{i}.w", f"l{i}.b") for i in (1, 2, 3)})
 
-    # The inner loop's transformation, built once. Its learning rate is 1 and the
-    # learned rate multiplies the updates (Adam's update is linear in lr): a chain
-    # built inside the compiled step would not trace, and fg.adam(lr=<0-d tensor>)
-    # works the same eagerly (tests/test_compose.py differentiates through both).
-    inner = fg.chain(
-        fg.per_group(fg.rules.clip_norm(10.0), groups),
-        fg.adam(lr=1.0, eps_root=1e-12),
-    )
-
     def adapt(p: dict[str, torch.Tensor], lr: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
-        # Differentiated through by the outer loop (second order).
-        s = inner.init(p)
+        # The inner loop: a funcgrad chain with a learnable lr (a 0-d tensor),
+        # differentiated through by the outer loop (second order).
+        tx = fg.chain(
+            fg.per_group(fg.rules.clip_norm(10.0), groups),
+            fg.adam(lr=lr, eps_root=1e-12),
+        )
+        s = tx.init(p)
         for _ in range(args.inner_steps):
-            u, s = inner.update(grad(mse)(p, x, y), s, p)
-            p = fg.apply_updates(p, {k: lr * v for k, v in u.items()})
+            u, s = tx.update(grad(mse)(p, x, y), s, p)
+            p = fg.apply_updates(p, u)
         return p
 
     def task_loss(meta: dict[str, torch.Tensor], xs, ys, xq, yq) -> torch.Tensor:

@@ -117,7 +117,13 @@ def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> Gra
     A transformation may when each output entry depends only on the same entry of
     the gradients, parameters and its own state, and on per-group statistics taken
     through ``funcgrad._rule_base`` (which combine across ranks). Returns ``tx``.
+
+    A transformation built inside a compiled function (e.g. ``fg.adam(lr=lr)`` with
+    a traced, learnable ``lr``) is not registered: dynamo cannot trace the weak
+    sets, and ``fg.sharded`` is never built there.
     """
+    if torch.compiler.is_compiling():
+        return tx
     if all(is_shardable(p) for p in parts):
         _SHARDABLE.add(tx.update)
     if any(averages_over_ranks(p) for p in parts):

@@ -3,12 +3,14 @@
 funcgrad's eager fast paths (``torch._foreach_*`` over lists of tensors, results
 written into reused scratch buffers, Python branches on a device flag) are right for
 a training step, where nothing differentiates through the update. Under a function
-transform they are not: autograd through ``_foreach_sqrt`` followed by an in-place
-``_foreach_mul_`` on its result gave silently wrong derivatives (torch 2.13 does not
-check the version counter there), and ``vmap`` has no batching rule for most
-``_foreach_*`` ops. So every fast path asks :func:`composing` first, and takes the
-per-tensor math, written without in-place ops (the math ``torch.compile`` traces,
-bit for bit the same values), whenever
+transform they are not. Adam's multi-tensor path scales ``_foreach_sqrt``'s result in
+place (``_foreach_mul_``), and sqrt's backward reads that result: plain autograd
+notices (a version-counter error), but ``torch.func.grad`` does not (torch 2.13), and
+returned derivatives that were silently wrong (half the true one for that term).
+``vmap`` has no batching rule for ``_foreach_lerp`` and others. So every fast path
+asks :func:`composing` first, and takes the per-tensor math instead (written
+without in-place ops; what ``torch.compile`` traces; the same values bit for bit)
+whenever
 
 - a ``torch.func`` transform is active (``grad``, ``vjp``, ``jacrev``, ``jvp``,
   ``vmap``, ``functionalize``): its interpreter stack is not empty; or
@@ -73,3 +75,21 @@ def composing(*inputs: object) -> bool:
     if torch.compiler.is_compiling() or transform_active():
         return True
     return torch.is_grad_enabled() and _records(inputs)
+
+
+def refuse_transforms(who: str, *inputs: object) -> None:
+    """Raise a clear error if ``who`` (a transformation that talks to other ranks) runs
+    under a ``torch.func`` transform or with autograd recording through it: the
+    collectives have no derivative and no batching rule there, and torch's own errors
+    do not say so. (Traced by ``torch.compile``, this check is not reached.)"""
+    if torch.compiler.is_compiling():
+        return
+    if transform_active() or (torch.is_grad_enabled() and _records(inputs)):
+        raise RuntimeError(
+            f"{who} runs collectives across torch.distributed ranks, which cannot be "
+            "differentiated through or vmapped here (it was called under torch.func.grad/"
+            "vmap/jacrev, or with inputs that require grad while grad mode is on). "
+            "Differentiate or vmap each rank's update without it (e.g. fg.adam alone), "
+            "then average the results across ranks yourself (torch.distributed."
+            "all_reduce on the meta-gradients); a plain training step needs no change."
+        )

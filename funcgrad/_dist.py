@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._base import EmptyState, GradientTransformation, Params, State, averages_over_ranks
+from ._compose import refuse_transforms
 
 
 def _check_initialized(noop: bool) -> bool:
@@ -92,6 +93,7 @@ def all_reduce_mean(
     def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
         if not _check_initialized(noop_if_not_initialized) or not grads:
             return grads, state
+        refuse_transforms("fg.all_reduce_mean", grads)
         return reduce(grads), state
 
     tx = GradientTransformation(init, update)

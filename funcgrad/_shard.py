@@ -42,6 +42,7 @@ from ._base import (
     check_state,
     is_shardable,
 )
+from ._compose import refuse_transforms
 from ._tree import flatten
 
 T = TypeVar("T")
@@ -415,6 +416,7 @@ def sharded(
 
     def init(params: Params) -> ShardedState:
         _initialized("fg.sharded.init")
+        refuse_transforms("fg.sharded", params)
         ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
         kinds, whole_state = _leaf_layout(tx, params)
         _check_same_on_all_ranks(ranks, _signature(params, whole_state))
@@ -429,6 +431,7 @@ def sharded(
         grads: Params, state: ShardedState, params: Params | None = None
     ) -> tuple[Params, ShardedState]:
         check_state(state, ShardedState, "fg.sharded")
+        refuse_transforms("fg.sharded", grads, params)
         layout: Layout | None = getattr(type(state), "layout", None)
         if layout is None or not _same_shapes(layout.ranks, grads):
             raise ValueError(

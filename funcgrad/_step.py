@@ -197,6 +197,12 @@ def make_step(
             leaves them; they are inputs and outputs of the pure step, so it stays
             one graph.
 
+    Under a ``torch.func`` transform (``vmap`` over an ensemble's stacked params,
+    ``grad`` through training steps for meta-learning) the step runs its pure math
+    eagerly, whatever ``compile`` says, and cannot be donated. To compile such a
+    loop, compile the transformed function written from ``tx.update`` and
+    ``fg.apply_updates`` (``examples/ensemble.py``, ``examples/maml_sine.py``).
+
     Example:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
@@ -251,13 +257,24 @@ def make_step(
     compiled = scope == "step"
 
     def compute(
-        grad_fn: Callable[..., Any], params: Params, state: State, *args: Any, apply: bool = True
+        grad_fn: Callable[..., Any],
+        params: Params,
+        state: State,
+        *args: Any,
+        apply: bool = True,
+        record: bool = True,
     ) -> Any:
         """``(new params, state[, buffers]), grads, (loss[, aux])``; with ``apply=False``
-        the updates in place of the new params."""
+        the updates in place of the new params. ``record=False`` (the eager step, where
+        nothing differentiates through the update) runs ``tx`` without autograd, so its
+        fast paths need not look for tensors that require grad (funcgrad/_compose.py)."""
         grads, loss, new_bufs, aux = grad_fn(params, *args)
-        updates, new_state = tx.update(grads, state, params)
-        new: tuple[Any, ...] = (apply_updates(params, updates) if apply else updates, new_state)
+        with contextlib.nullcontext() if record else torch.no_grad():
+            updates, new_state = tx.update(grads, state, params)
+            new: tuple[Any, ...] = (
+                apply_updates(params, updates) if apply else updates,
+                new_state,
+            )
         new += (new_bufs,) if buffers else ()
         return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
 
@@ -293,7 +310,7 @@ def make_step(
             grad_fn = gradients_compiled
         else:
             grad_fn = gradients if fresh or fast is None else fast
-        new, _, rest = compute(grad_fn, params, state, *args, apply=not donate)
+        new, _, rest = compute(grad_fn, params, state, *args, apply=not donate, record=False)
         return new + rest
 
     def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:

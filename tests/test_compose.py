@@ -9,11 +9,12 @@ models. float64 throughout, so agreement is to ~1e-10.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import assert_trees_close
+from conftest import assert_trees_close, check_compiles
 from torch import Tensor, nn
 from torch.func import grad, jacrev, vmap
 
@@ -444,3 +445,102 @@ def test_grad_through_make_step_equals_the_hand_written_loop():
     want_p, want_lr = ref_meta_grads(p0, x, y, lr, rule=True)
     assert_trees_close(g_p, want_p, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g_lr, want_lr, rtol=1e-10, atol=0)
+
+
+def test_compiled_meta_gradient_with_the_chain_built_inside():
+    """torch.compile(fullgraph=True) of torch.func.grad through a chain built inside
+    the compiled function (fg.adam(lr=<traced tensor>)): one graph, equal to eager."""
+    p0, (x, y) = init_params(), task(5)
+
+    def meta_grad(p, lr):
+        return grad(lambda p, lr: fg_inner(p, x, y, lambda: chain_with_rule(lr)), argnums=(0, 1))(
+            p, lr
+        )
+
+    check_compiles(
+        meta_grad,
+        (p0, torch.tensor(0.05, dtype=D)),
+        (p0, torch.tensor(0.02, dtype=D)),
+        rtol=1e-12,
+        atol=1e-14,
+    )
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("who", ["fg.all_reduce_mean", "fg.sharded"])
+def test_collectives_under_transforms_are_a_clear_error(one_rank, who):
+    """Collectives have no derivative and no batching rule here: a clear error under
+    grad, vmap and recording autograd, never a wrong answer; a plain step still runs."""
+
+    def make(lr):
+        if who == "fg.sharded":
+            return fg.sharded(fg.adam(lr=lr))
+        return fg.chain(fg.all_reduce_mean(), fg.adam(lr=lr))
+
+    def meta(lr, w=None):
+        p = {"w": torch.tensor([1.0, -2.0], dtype=D) if w is None else w}
+        tx = make(lr)
+        s = tx.init(p)
+        u, s = tx.update({"w": 2 * p["w"]}, s, p)
+        return (fg.apply_updates(p, u)["w"] ** 2).sum()
+
+    message = re.escape(
+        f"{who} runs collectives across torch.distributed ranks, which cannot be "
+        "differentiated through or vmapped here"
+    )
+    lr = torch.tensor(0.1, dtype=D)
+    with pytest.raises(RuntimeError, match=message):
+        grad(meta)(lr)
+    with pytest.raises(RuntimeError, match=message):
+        vmap(meta)(torch.tensor([0.1, 0.2], dtype=D))
+    with pytest.raises(RuntimeError, match=message):  # the gradients carry autograd history
+        meta(lr, torch.tensor([1.0, -2.0], dtype=D, requires_grad=True))
+    torch.testing.assert_close(meta(lr), fg_adam_reference(lr))
+
+
+def fg_adam_reference(lr):
+    """One Adam step on w = [1, -2] with g = 2w, by hand: each entry moves by -lr*sign."""
+    w = torch.tensor([1.0, -2.0], dtype=D)
+    return ((w - lr * torch.sign(w)) ** 2).sum()
+
+
+def test_learnable_schedule_scale():
+    """A schedule whose output carries a learnable tensor (peak * cosine): its
+    gradient equals the hand-written Adam fed the same per-step learning rates."""
+    p0, (x, y) = init_params(), task(6)
+    del p0["dead.weight"]
+    peak = torch.tensor(0.08, dtype=D)
+    cosine = fg.cosine_decay(1.0, decay_steps=4, alpha=0.1)
+
+    def meta(peak):
+        return fg_inner(
+            p0, x, y, lambda: fg.adam(lr=lambda c: peak * cosine(c)), steps=3, loss=smooth_loss
+        )
+
+    got = grad(meta)(peak)
+    leaf = peak.clone().requires_grad_()
+    # The hand-written loop with lr_t = peak * cosine(t - 1), one step at a time.
+    p = {k: t.clone().requires_grad_() for k, t in p0.items()}
+    m = {k: torch.zeros_like(t) for k, t in p.items()}
+    v = {k: torch.zeros_like(t) for k, t in p.items()}
+    for t in range(1, 4):
+        lr = leaf * cosine(torch.tensor(t - 1, dtype=D))
+        gs = torch.autograd.grad(smooth_loss(p, x, y), list(p.values()), create_graph=True)
+        new = {}
+        for k, g in zip(p, gs, strict=True):
+            m[k] = 0.9 * m[k] + 0.1 * g
+            v[k] = 0.999 * v[k] + 0.001 * g**2
+            new[k] = p[k] - lr * (m[k] / (1 - 0.9**t)) / (torch.sqrt(v[k] / (1 - 0.999**t)) + 1e-8)
+        p = new
+    want = torch.autograd.grad(smooth_loss(p, x, y), leaf)[0]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
