@@ -16,6 +16,11 @@ Variants, each compiled in a fresh process with empty inductor caches (the
   each parameter updated from its slice of the flat update
 * ``flat-all``    the parameters in one flat buffer too (the model's tensors are
   views of it): the whole update is elementwise over three flat buffers
+* ``flat-seg``    ``flat-all`` with the gradient taken with respect to the flat buffer
+  (one flat gradient), and the seed rule over all groups at once: one segmented
+  reduction (``torch.segment_reduce`` over the groups' lengths) for every group's
+  all-zero flag, broadcast back with ``repeat_interleave``; nothing per tensor is
+  left in the update (issue #21's design question)
 
 Models: bench_step.py's MLP (``--layers 0``, target 1) and ``L`` blocks of
 ``Linear(64, 64) + ReLU`` as in bench_scaling.py (target 4).
@@ -46,7 +51,7 @@ from bench_scaling import batch, model
 from bench_step import cold_caches, interleaved, mlp
 
 B1, B2, LR, EPS = 0.9, 0.999, 1e-3, 1e-8
-VARIANTS = ("grad", "step", "flat-state", "flat-all")
+VARIANTS = ("grad", "step", "flat-state", "flat-all", "flat-seg")
 Loss = Callable[..., Tensor]
 
 
@@ -63,7 +68,7 @@ def setup(layers: int) -> tuple[nn.Module, Loss, Tensor, Tensor]:
 
 
 def flat_step(
-    m: nn.Module, loss: Loss, flat_params: bool, compile: bool = True
+    m: nn.Module, loss: Loss, flat_params: bool, compile: bool = True, segmented: bool = False
 ) -> tuple[Callable, tuple]:
     """A hand-written donated step (seed rule per layer, Adam) over flat moments, and
     over flat parameters too with ``flat_params``; returns ``(step, args)``."""
@@ -91,6 +96,28 @@ def flat_step(
     def views(flat: Tensor) -> dict[str, Tensor]:
         return {k: flat[a : a + n].view(named[k].shape) for k, (a, n) in spans.items()}
 
+    # flat-seg: every group is one contiguous segment of the flat buffer (a module's
+    # own parameters come one after the other in named_parameters' order).
+    order = [k for keys in groups.values() for k in keys]
+    if segmented and order != list(named):
+        raise SystemExit("flat-seg needs each group to be one segment in parameter order")
+    lengths = torch.tensor([sum(named[k].numel() for k in keys) for keys in groups.values()])
+
+    def seg_rule(g: Tensor) -> Tensor:
+        """zero_fix() on every group of the flat gradient at once."""
+        nonzero = torch.segment_reduce((g != 0).to(g.dtype), "max", lengths=lengths)
+        dead = torch.repeat_interleave(nonzero == 0, lengths, output_size=g.numel())
+        return torch.where(dead, 1.0, torch.where(g == 0, 0.5, g))
+
+    def seg_update(g: Tensor, mu: Tensor, nu: Tensor, count: Tensor):
+        g = seg_rule(g)
+        c = (count + 1).to(torch.float64)
+        inv_bc2 = (1 - B2**c).rsqrt().to(torch.float32)
+        step_size = (LR / (1 - B1**c)).to(torch.float32)
+        m_new = torch.lerp(mu, g, 1 - B1)
+        v_new = nu * B2 + ((1 - B2) * g) * g
+        return -step_size * m_new / (torch.sqrt(v_new) * inv_bc2 + EPS), m_new, v_new
+
     if flat_params:
         flat = torch.cat([p.reshape(-1) for p in named.values()])
         with torch.no_grad():  # the module's parameters become views of the flat buffer
@@ -98,8 +125,12 @@ def flat_step(
                 m.get_parameter(k).data = v
 
         def step_all(p_flat, mu, nu, count, x, y):
-            grads, value = grad_and_value(loss)(views(p_flat), x, y)
-            u, m_new, v_new = update(grads, mu, nu, count)
+            if segmented:
+                g, value = grad_and_value(lambda f, x, y: loss(views(f), x, y))(p_flat, x, y)
+                u, m_new, v_new = seg_update(g, mu, nu, count)
+            else:
+                grads, value = grad_and_value(loss)(views(p_flat), x, y)
+                u, m_new, v_new = update(grads, mu, nu, count)
             p_flat.add_(u)
             mu.copy_(m_new)
             nu.copy_(v_new)
@@ -135,9 +166,9 @@ def check(layers: int, steps: int = 3) -> float:
     step = fg.make_step(loss, tx, donate=True)
     for _ in range(steps):
         step(params, state, x, y)
-    for flat_params in (False, True):
+    for flat_params, segmented in ((False, False), (True, False), (True, True)):
         m2, loss2, _, _ = setup(layers)
-        fn, args = flat_step(m2, loss2, flat_params, compile=False)
+        fn, args = flat_step(m2, loss2, flat_params, compile=False, segmented=segmented)
         for _ in range(steps):
             fn(*args, x, y)
         for k, p in m2.named_parameters():
@@ -159,7 +190,9 @@ def child(layers: int, variant: str) -> dict[str, float]:
         step = fg.make_step(loss, tx, compile=True, donate=True)
         call = lambda: step(params, state, x, y)  # noqa: E731
     else:
-        compiled, args = flat_step(m, loss, flat_params=variant == "flat-all")
+        compiled, args = flat_step(
+            m, loss, flat_params=variant != "flat-state", segmented=variant == "flat-seg"
+        )
         call = lambda: compiled(*args, x, y)  # noqa: E731
     t = time.perf_counter()
     call()

@@ -280,13 +280,14 @@ def _adam(
         if foreach_ok and not composing(grads, params, state.mu, state.nu, state.nu_max, lr_t):
             # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
             # dispatch per operation and dtype instead of one per tensor.
-            fast = _foreach_adam(
+            out = _multi_tensor_adam(
                 grads, state, params, decay, -step_size, inv_bc2_sqrt, lr_decay, hp
             )
-            return fast[0], AdamState(count, *fast[1:])
-        return _single_tensor_adam(
-            grads, state, params, decay, step_size, inv_bc2_sqrt, lr_decay, hp
-        )
+        else:
+            out = _single_tensor_adam(
+                grads, state, params, decay, step_size, inv_bc2_sqrt, lr_decay, hp
+            )
+        return out[0], AdamState(count, *out[1:])
 
     return shardable(GradientTransformation(init, update))
 
@@ -300,10 +301,11 @@ def _single_tensor_adam(
     inv_bc2_sqrt: Tensor,
     lr_decay: Tensor,
     hp: _Hyper,
-) -> tuple[Params, AdamState]:
+) -> tuple[Params, Params, Params, Params]:
     """Adam tensor by tensor, without in-place ops: what ``torch.compile`` traces, and
     what runs under ``torch.func`` transforms and differentiating autograd (where the
-    multi-tensor path would give wrong derivatives or no batching rule)."""
+    multi-tensor path would give wrong derivatives or no batching rule):
+    ``(updates, mu, nu, nu_max)``."""
     b1, b2, wd = hp.b1, hp.b2, hp.weight_decay
     # The step's scalars in each compute dtype, converted once per dtype.
     per_dtype: dict[torch.dtype, tuple[Tensor, ...]] = {}
@@ -354,7 +356,7 @@ def _single_tensor_adam(
             assert params is not None
             u = u - lr_wd * params[k].to(dt)
         updates[k] = u
-    return updates, AdamState(state.count + 1, mu, nu, nu_max)
+    return updates, mu, nu, nu_max
 
 
 def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -362,7 +364,7 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _foreach_adam(
+def _multi_tensor_adam(
     grads: Params,
     state: AdamState,
     params: Params | None,
@@ -390,7 +392,7 @@ def _foreach_adam(
     nu: Params = {}
     nu_max: Params = {}
     for k, scratch in pooled:
-        out = _adam_into(
+        out = _borrowed_adam(
             scratch, grads[k], state, k, params, decay.get(k, False), neg_step64, inv_bc2_64,
             lr_decay64, hp,
         )  # fmt: skip
@@ -439,7 +441,7 @@ def _foreach_adam(
     )
 
 
-def _adam_into(
+def _borrowed_adam(
     scratch: Scratch,
     grad: Tensor,
     state: AdamState,
@@ -451,7 +453,7 @@ def _adam_into(
     lr_decay64: Tensor,
     hp: _Hyper,
 ) -> tuple[Tensor, ...]:
-    """One tensor of :func:`_foreach_adam`, the same operations in the same order, each
+    """One tensor of :func:`_multi_tensor_adam`, the same operations in the same order, each
     writing into a buffer borrowed from ``scratch`` (``out=``) instead of a new one:
     ``(update, mu, nu[, nu_max])``."""
     sdt = state.mu[k].dtype
