@@ -21,6 +21,10 @@ Variants, each compiled in a fresh process with empty inductor caches (the
   reduction (``torch.segment_reduce`` over the groups' lengths) for every group's
   all-zero flag, broadcast back with ``repeat_interleave``; nothing per tensor is
   left in the update (issue #21's design question)
+* ``flat-idx``    ``flat-seg`` with the segmented reduction as inductor code: each
+  entry's group index (an int32 buffer made once), ``scatter_reduce(amax)`` of the
+  nonzero flags into one flag per group, and ``flags[index]`` gathered back inside
+  the elementwise rule
 
 Models: bench_step.py's MLP (``--layers 0``, target 1) and ``L`` blocks of
 ``Linear(64, 64) + ReLU`` as in bench_scaling.py (target 4).
@@ -51,7 +55,7 @@ from bench_scaling import batch, model
 from bench_step import cold_caches, interleaved, mlp
 
 B1, B2, LR, EPS = 0.9, 0.999, 1e-3, 1e-8
-VARIANTS = ("grad", "step", "flat-state", "flat-all", "flat-seg")
+VARIANTS = ("grad", "step", "flat-state", "flat-all", "flat-seg", "flat-idx")
 Loss = Callable[..., Tensor]
 
 
@@ -68,7 +72,11 @@ def setup(layers: int) -> tuple[nn.Module, Loss, Tensor, Tensor]:
 
 
 def flat_step(
-    m: nn.Module, loss: Loss, flat_params: bool, compile: bool = True, segmented: bool = False
+    m: nn.Module,
+    loss: Loss,
+    flat_params: bool,
+    compile: bool = True,
+    segmented: bool | str = False,
 ) -> tuple[Callable, tuple]:
     """A hand-written donated step (seed rule per layer, Adam) over flat moments, and
     over flat parameters too with ``flat_params``; returns ``(step, args)``."""
@@ -109,8 +117,18 @@ def flat_step(
         dead = torch.repeat_interleave(nonzero == 0, lengths, output_size=g.numel())
         return torch.where(dead, 1.0, torch.where(g == 0, 0.5, g))
 
+    index = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
+
+    def idx_rule(g: Tensor) -> Tensor:
+        """seg_rule with a scatter and a gather that inductor generates."""
+        nonzero = torch.zeros(len(lengths), dtype=g.dtype).scatter_reduce(
+            0, index.long(), (g != 0).to(g.dtype), "amax"
+        )
+        dead = nonzero[index.long()] == 0
+        return torch.where(dead, 1.0, torch.where(g == 0, 0.5, g))
+
     def seg_update(g: Tensor, mu: Tensor, nu: Tensor, count: Tensor):
-        g = seg_rule(g)
+        g = idx_rule(g) if segmented == "idx" else seg_rule(g)
         c = (count + 1).to(torch.float64)
         inv_bc2 = (1 - B2**c).rsqrt().to(torch.float32)
         step_size = (LR / (1 - B1**c)).to(torch.float32)
@@ -166,7 +184,10 @@ def check(layers: int, steps: int = 3) -> float:
     step = fg.make_step(loss, tx, donate=True)
     for _ in range(steps):
         step(params, state, x, y)
-    for flat_params, segmented in ((False, False), (True, False), (True, True)):
+    variants: tuple[tuple[bool, bool | str], ...] = (
+        (False, False), (True, False), (True, True), (True, "idx"),
+    )  # fmt: skip
+    for flat_params, segmented in variants:
         m2, loss2, _, _ = setup(layers)
         fn, args = flat_step(m2, loss2, flat_params, compile=False, segmented=segmented)
         for _ in range(steps):
@@ -191,7 +212,10 @@ def child(layers: int, variant: str) -> dict[str, float]:
         call = lambda: step(params, state, x, y)  # noqa: E731
     else:
         compiled, args = flat_step(
-            m, loss, flat_params=variant != "flat-state", segmented=variant == "flat-seg"
+            m,
+            loss,
+            flat_params=variant != "flat-state",
+            segmented={"flat-seg": True, "flat-idx": "idx"}.get(variant, False),
         )
         call = lambda: compiled(*args, x, y)  # noqa: E731
     t = time.perf_counter()
