@@ -93,7 +93,10 @@ def flat_step(
         fixed: dict[str, Tensor] = {}
         for keys in groups.values():
             fixed.update(rule({k: grads[k] for k in keys}))
-        g = torch.cat([fixed[k].reshape(-1) for k in named])
+        return flat_adam(torch.cat([fixed[k].reshape(-1) for k in named]), mu, nu, count)
+
+    def flat_adam(g: Tensor, mu: Tensor, nu: Tensor, count: Tensor):
+        """Adam on flat vectors: ``(update, mu, nu)``."""
         c = (count + 1).to(torch.float64)
         inv_bc2 = (1 - B2**c).rsqrt().to(torch.float32)
         step_size = (LR / (1 - B1**c)).to(torch.float32)
@@ -121,20 +124,15 @@ def flat_step(
 
     def idx_rule(g: Tensor) -> Tensor:
         """seg_rule with a scatter and a gather that inductor generates."""
+        at = index.long()
         nonzero = torch.zeros(len(lengths), dtype=g.dtype).scatter_reduce(
-            0, index.long(), (g != 0).to(g.dtype), "amax"
+            0, at, (g != 0).to(g.dtype), "amax"
         )
-        dead = nonzero[index.long()] == 0
+        dead = nonzero[at] == 0
         return torch.where(dead, 1.0, torch.where(g == 0, 0.5, g))
 
     def seg_update(g: Tensor, mu: Tensor, nu: Tensor, count: Tensor):
-        g = idx_rule(g) if segmented == "idx" else seg_rule(g)
-        c = (count + 1).to(torch.float64)
-        inv_bc2 = (1 - B2**c).rsqrt().to(torch.float32)
-        step_size = (LR / (1 - B1**c)).to(torch.float32)
-        m_new = torch.lerp(mu, g, 1 - B1)
-        v_new = nu * B2 + ((1 - B2) * g) * g
-        return -step_size * m_new / (torch.sqrt(v_new) * inv_bc2 + EPS), m_new, v_new
+        return flat_adam(idx_rule(g) if segmented == "idx" else seg_rule(g), mu, nu, count)
 
     if flat_params:
         flat = torch.cat([p.reshape(-1) for p in named.values()])

@@ -277,16 +277,11 @@ def _adam(
         scalars = _bias_scalars(count, lr_t, hp.b1, hp.b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
         lr_decay = lr_t * hp.weight_decay
-        if foreach_ok and not composing(grads, params, state.mu, state.nu, state.nu_max, lr_t):
-            # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
-            # dispatch per operation and dtype instead of one per tensor.
-            out = _multi_tensor_adam(
-                grads, state, params, decay, -step_size, inv_bc2_sqrt, lr_decay, hp
-            )
-        else:
-            out = _single_tensor_adam(
-                grads, state, params, decay, step_size, inv_bc2_sqrt, lr_decay, hp
-            )
+        # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
+        # dispatch per operation and dtype instead of one per tensor.
+        multi = foreach_ok and not composing(grads, params, state.mu, state.nu, state.nu_max, lr_t)
+        path = _multi_tensor_adam if multi else _single_tensor_adam
+        out = path(grads, state, params, decay, -step_size, inv_bc2_sqrt, lr_decay, hp)
         return out[0], AdamState(count, *out[1:])
 
     return shardable(GradientTransformation(init, update))
@@ -297,9 +292,9 @@ def _single_tensor_adam(
     state: AdamState,
     params: Params | None,
     decay: Mapping[str, bool],
-    step_size: Tensor,
-    inv_bc2_sqrt: Tensor,
-    lr_decay: Tensor,
+    neg_step64: Tensor,
+    inv_bc2_64: Tensor,
+    lr_decay64: Tensor,
     hp: _Hyper,
 ) -> tuple[Params, Params, Params, Params]:
     """Adam tensor by tensor, without in-place ops: what ``torch.compile`` traces, and
@@ -319,7 +314,7 @@ def _single_tensor_adam(
         sdt = state.mu[k].dtype
         dt = torch.float32 if sdt in _HALF else sdt
         if dt not in per_dtype:
-            per_dtype[dt] = ((-step_size).to(dt), inv_bc2_sqrt.to(dt), lr_decay.to(dt))
+            per_dtype[dt] = (neg_step64.to(dt), inv_bc2_64.to(dt), lr_decay64.to(dt))
         neg_step, inv_bc2, lr_wd = per_dtype[dt]
         # Tensor hyperparameters in the compute dtype; floats stay Python floats, so
         # the ops are those of the multi-tensor path, bit for bit.
