@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
 from ._compose import transform_active
-from ._state import invariants
+from ._invariants import invariants
 
 
 class AccumulateState(NamedTuple):

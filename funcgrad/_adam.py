@@ -40,8 +40,8 @@ from ._base import (
 )
 from ._compose import composing, plain_value
 from ._fusion import realize
+from ._invariants import invariants
 from ._scratch import BIG, Scratch, borrowing
-from ._state import invariants
 from ._tree import names_mismatch
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, check_state, params_device
 from ._fusion import realize
-from ._state import invariants
+from ._invariants import invariants
 
 _M32 = 0xFFFFFFFF
 _C = 0x45D9F3B

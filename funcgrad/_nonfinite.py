@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
+from ._invariants import invariants
 from ._rule_base import any_of
-from ._state import invariants
 from ._tree import tree_map
 
 

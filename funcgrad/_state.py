@@ -16,10 +16,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import optree
-import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, params_device
+from ._invariants import check_invariants
 from ._shard import (
     ShardedState,
     checkpoint_view,
@@ -30,51 +30,6 @@ from ._shard import (
 from ._tree import flatten, names_mismatch
 
 _PLAIN = (bool, int, float, str)
-
-_INVARIANTS: dict[type, dict[str, str]] = {}
-_CHECKS = {
-    "finite": (lambda t: torch.isfinite(t).all(), "NaN or Inf values"),
-    "nonnegative": (lambda t: (t >= 0).all(), "negative values"),
-}
-
-
-def invariants(state_type: type, **fields: str) -> None:
-    """Declare what a state's fields always satisfy, checked by :func:`load_state_dict`.
-
-    ``fields`` maps a field name to ``"finite"``, ``"nonnegative"`` or
-    ``"finite nonnegative"``, e.g. ``invariants(AdamState, count="nonnegative",
-    mu="finite", nu="finite nonnegative")``. Each module declares its own states'.
-    """
-    for name, kinds in fields.items():
-        unknown = [k for k in kinds.split() if k not in _CHECKS]
-        if unknown or name not in getattr(state_type, "_fields", ()):
-            raise ValueError(f"invariants: bad declaration {name}={kinds!r}.")
-    _INVARIANTS[state_type] = dict(fields)
-
-
-def _check_invariants(state: State) -> None:
-    accessors, leaves, _ = flatten(state)
-    for accessor, leaf in zip(accessors, leaves, strict=True):
-        if not isinstance(leaf, Tensor):
-            continue
-        # The innermost NamedTuple field on the path (e.g. AdamState.nu for nu['w']).
-        for entry in reversed(list(accessor)):
-            if optree.is_namedtuple_class(entry.type):
-                field = entry.type._fields[entry.entry]  # type: ignore[attr-defined]
-                kinds = _INVARIANTS.get(entry.type, {}).get(field, "")
-                break
-        else:
-            continue
-        for kind in kinds.split():
-            holds, broken = _CHECKS[kind]
-            if leaf.numel() and not bool(holds(leaf)):
-                raise ValueError(
-                    f"fg.load_state_dict: {accessor.codify('state')} holds {broken}, which "
-                    f"a {entry.type.__name__} never does (its {field} is {kind}). The "
-                    "checkpoint is damaged, was edited, or was saved after the run had "
-                    "already diverged; resume from an earlier checkpoint."
-                )
-
 
 _HINT = (
     " The checkpoint was made by another transformation or for another model; "
@@ -260,5 +215,5 @@ def load_state_dict(
         else:
             loaded.append(want)
     state = optree.tree_unflatten(spec, loaded)
-    _check_invariants(state)
+    check_invariants(state)
     return state if cut is None else cut(state)
