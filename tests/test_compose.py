@@ -544,3 +544,65 @@ def test_learnable_schedule_scale():
         p = new
     want = torch.autograd.grad(smooth_loss(p, x, y), leaf)[0]
     torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch's SDPA
+def test_vmapped_ensemble_of_small_gpts_with_tied_weights():
+    """Two copies of examples/char_gpt.py's model (tied embeddings, masked AdamW,
+    per-block rule with atol, monitor) trained 3 steps in one vmapped fg.make_step,
+    against each trained alone by the eager donated step."""
+    from shard_workers import small_gpt
+
+    m, tx = small_gpt()
+
+    def loss(p, idx, tgt):
+        logits = fg.call(m, p, idx)
+        return nn.functional.cross_entropy(logits.reshape(-1, 11), tgt.reshape(-1))
+
+    base = fg.params(m)
+    g = torch.Generator().manual_seed(5)
+    members = [
+        {k: v.clone() for k, v in base.items()},
+        {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in base.items()},
+    ]
+    batches = [torch.randint(0, 11, (2, 4, 9), generator=g) for _ in range(3)]
+    stacked = {k: torch.stack([p[k] for p in members]) for k in base}
+    state = vmap(tx.init)(stacked)
+    step = vmap(fg.make_step(loss, tx))
+    for idx in batches:
+        stacked, state, _ = step(stacked, state, idx[:, :, :-1], idx[:, :, 1:])
+    alone = fg.make_step(loss, tx, donate=True)
+    for i, p in enumerate(members):
+        s = tx.init(p)
+        for idx in batches:
+            alone(p, s, idx[i, :, :-1], idx[i, :, 1:])
+        assert_trees_close({k: v[i] for k, v in stacked.items()}, p, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_vmapped_adam_equals_the_eager_fast_path_in_low_precision(dtype):
+    """The per-tensor math that runs under vmap computes half precision in float32
+    like the multi-tensor path: the same bits, 3 steps of AdamW with amsgrad."""
+    tx = fg.adamw(lr=0.1, weight_decay=0.1, amsgrad=True)
+    g0 = torch.Generator().manual_seed(1)
+    p = {
+        "a": torch.randn(3, 4, generator=g0).to(dtype),
+        "b": torch.randn(5, generator=g0).to(dtype),
+    }
+    grads = [
+        {k: torch.randn(v.shape, generator=g0).to(dtype) for k, v in p.items()} for _ in range(3)
+    ]
+
+    def run(p, *gs):
+        s = tx.init(p)
+        for g in gs:
+            u, s = tx.update(g, s, p)
+            p = fg.apply_updates(p, u)
+        return p, s
+
+    eager = run(p, *grads)
+    batched = vmap(run)(
+        {k: v.unsqueeze(0) for k, v in p.items()},
+        *({k: v.unsqueeze(0) for k, v in g.items()} for g in grads),
+    )
+    assert_trees_close(torch.utils._pytree.tree_map(lambda t: t[0], batched), eager)
