@@ -513,6 +513,15 @@ def adam(
         >>> updates, state = tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params)
         >>> fg.apply_updates(params, updates), int(state.count)
         ({'w': tensor([ 0.9000, -0.9000])}, 1)
+
+        A learnable lr: the derivative of the new ``w[0]`` (``1 - lr``) with respect to it:
+
+        >>> def new_w0(lr):
+        ...     tx = fg.adam(lr=lr)
+        ...     u, _ = tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params)
+        ...     return fg.apply_updates(params, u)["w"][0]
+        >>> round(float(torch.func.grad(new_w0)(torch.tensor(0.1))), 4)
+        -1.0
     """
     return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, False, mask, eps_root)
 
