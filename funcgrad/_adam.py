@@ -318,8 +318,8 @@ def _single_tensor_adam(
         neg_step, inv_bc2, lr_wd = per_dtype[dt]
         # Tensor hyperparameters in the compute dtype; floats stay Python floats, so
         # the ops are those of the multi-tensor path, bit for bit.
-        c1, c2, w, e = (
-            x.to(dt) if isinstance(x, Tensor) else x for x in (1.0 - b1, 1.0 - b2, wd, hp.eps)
+        c1, c2, b2_, w, e = (
+            x.to(dt) if isinstance(x, Tensor) else x for x in (1.0 - b1, 1.0 - b2, b2, wd, hp.eps)
         )
         g = g.to(dt)
         if hp.maximize:
@@ -331,7 +331,7 @@ def _single_tensor_adam(
         # (1 - b2) * g first, then * g: no overflow where torch has none (its addcmul
         # computes value * t1 * t2 in that order), and not addcmul itself, whose
         # decomposition under torch.compile rounds differently from eager.
-        v = state.nu[k].to(dt) * (b2 if not isinstance(b2, Tensor) else b2.to(dt)) + (c2 * g) * g
+        v = state.nu[k].to(dt) * b2_ + (c2 * g) * g
         # Stored in the parameter's dtype; this step goes on with the float32 values
         # (torch re-reads its rounded float16 copies: a second moment below 6e-8
         # then reads as 0, and its update becomes inf/NaN where this one is finite).

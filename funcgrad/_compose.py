@@ -33,20 +33,33 @@ _peek = getattr(_functorch, "peek_interpreter_stack", None)
 _wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
 
 
+def _missing(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"funcgrad needs torch._C._functorch.{name} to tell whether a torch.func "
+        f"transform is active, and torch {torch.__version__} does not have it (it is a "
+        "private API, present in the torch releases funcgrad is tested with). Install "
+        "a tested torch (see the README) or report the version."
+    )
+
+
 def transform_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is active now.
 
-    The interpreter stack is a private torch API (present from torch 2.0 through the
-    tested releases). Should a torch release drop it, every update takes the plain
-    per-tensor path: slower eagerly, never a wrong derivative.
+    The interpreter stack is a private torch API: a torch without it is a clear
+    error here, not a guess (guessing "active" would refuse donated steps and
+    collectives; guessing "not active" would give wrong derivatives).
     """
-    return True if _peek is None else _peek() is not None
+    if _peek is None:
+        raise _missing("peek_interpreter_stack")
+    return _peek() is not None
 
 
 def is_transformed(t: Tensor) -> bool:
     """Whether ``t`` is a tensor wrapped by a ``torch.func`` transform (its value
     cannot be read with ``.item()`` under ``vmap``)."""
-    return True if _wrapped is None else bool(_wrapped(t))
+    if _wrapped is None:
+        raise _missing("is_functorch_wrapped_tensor")
+    return bool(_wrapped(t))
 
 
 def plain_value(t: Tensor) -> float | None:
@@ -84,7 +97,7 @@ def refuse_transforms(who: str, *inputs: object) -> None:
     do not say so. (Traced by ``torch.compile``, this check is not reached.)"""
     if torch.compiler.is_compiling():
         return
-    if transform_active() or (torch.is_grad_enabled() and _records(inputs)):
+    if composing(*inputs):
         raise RuntimeError(
             f"{who} runs collectives across torch.distributed ranks, which cannot be "
             "differentiated through or vmapped here (it was called under torch.func.grad/"
