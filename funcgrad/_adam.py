@@ -38,6 +38,7 @@ from ._base import (
     params_device,
     shardable,
 )
+from . import _flat as flat
 from ._compose import composing, plain_value
 from ._fusion import realize
 from ._invariants import invariants
@@ -245,9 +246,10 @@ def _adam(
         decays(params)  # a mask for other parameters fails here, not at the first step
         return AdamState(
             count=torch.zeros((), dtype=torch.int64, device=params_device(params)),
-            mu={k: torch.zeros_like(p) for k, p in params.items()},
-            nu={k: torch.zeros_like(p) for k, p in params.items()},
-            nu_max={k: torch.zeros_like(p) for k, p in params.items()} if amsgrad else {},
+            # fg.params(model)'s flat layout gives flat moments (funcgrad/_flat.py)
+            mu=flat.zeros_like(params),  # type: ignore[arg-type]
+            nu=flat.zeros_like(params),  # type: ignore[arg-type]
+            nu_max=flat.zeros_like(params) if amsgrad else {},  # type: ignore[dict-item]
         )
 
     def update(
@@ -279,12 +281,65 @@ def _adam(
         lr_decay = lr_t * hp.weight_decay
         # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
         # dispatch per operation and dtype instead of one per tensor.
-        multi = foreach_ok and not composing(grads, params, state.mu, state.nu, state.nu_max, lr_t)
+        layout = state.mu.layout if isinstance(state.mu, flat.Flat) else None
+        if layout is not None:  # flat moments: the same math over whole buffers
+            grads = flat.pack(grads, layout)
+            params = None if params is None else flat.pack(params, layout)
+        multi = foreach_ok and not composing(
+            *_leaves(grads, params, state.mu, state.nu, state.nu_max), lr_t
+        )
         path = _multi_tensor_adam if multi else _single_tensor_adam
-        out = path(grads, state, params, decay, -step_size, inv_bc2_sqrt, lr_decay, hp)
-        return out[0], AdamState(count, *out[1:])
+        scalars = (-step_size, inv_bc2_sqrt, lr_decay, hp)
+        by_buffer = _per_buffer(decay, layout) if layout is not None else None
+        if layout is None or by_buffer is None:  # per tensor (a mask splits a buffer: views)
+            views = layout is not None
+            args = (grads, state, params, decay) if not views else _as_views(grads, state, params, decay)
+            out = path(*args, *scalars)
+            if views:
+                out = tuple(flat.pack(o, layout) if o else o for o in out)  # type: ignore[assignment]
+            return out[0], AdamState(count, *out[1:])
+        wrapped = AdamState(
+            state.count,
+            *(flat.by_buffer(t) if t else {} for t in (state.mu, state.nu, state.nu_max)),
+        )
+        out = path(
+            flat.by_buffer(grads),  # type: ignore[arg-type]
+            wrapped,
+            None if params is None else flat.by_buffer(params),  # type: ignore[arg-type]
+            by_buffer,
+            *scalars,
+        )
+        back = tuple(flat.from_buffers(o, layout) if o else {} for o in out)
+        return back[0], AdamState(count, *back[1:])  # type: ignore[arg-type]
 
     return shardable(GradientTransformation(init, update))
+
+
+def _leaves(*trees: Mapping[str, Tensor] | None) -> list[Tensor]:
+    return [t for tree in trees if tree is not None for t in flat.leaves(tree)]
+
+
+def _per_buffer(decay: Mapping[str, bool], layout: flat.Layout) -> dict[str, bool] | None:
+    """Weight decay per buffer (keyed as :func:`funcgrad._flat.by_buffer`), or None
+    where a mask decays some of a buffer's tensors and not others."""
+    out: dict[str, bool] = {}
+    for b in range(len(layout.sizes)):
+        flags = {decay.get(n, False) for n in layout.names_in(b)}
+        if len(flags) > 1:
+            return None
+        out[str(b)] = flags.pop()
+    return out
+
+
+def _as_views(
+    grads: Params, state: AdamState, params: Params | None, decay: Mapping[str, bool]
+) -> tuple[Params, AdamState, Params | None, Mapping[str, bool]]:
+    """Flat arguments as per-name views (plain dicts), for the per-tensor paths."""
+    def views(t: Params) -> Params:
+        return t.views() if isinstance(t, flat.Flat) else t
+
+    wrapped = AdamState(state.count, views(state.mu), views(state.nu), views(state.nu_max))
+    return views(grads), wrapped, None if params is None else views(params), decay
 
 
 def _single_tensor_adam(

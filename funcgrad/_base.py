@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ._compose import composing
+from ._flat import Flat, pack
 from ._tree import names_mismatch
 
 Params = dict[str, Tensor]
@@ -160,6 +161,12 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
             f"{names_mismatch(params, updates)}. Pass the updates returned by "
             "tx.update(grads, state, params) for these same params."
         )
+    layout = params.layout if isinstance(params, Flat) else None
+    if layout is not None:  # flat params: the sum over each buffer, in the same layout
+        ps, us = list(params.buffers), updates_as_params(params, updates)
+        if composing(*ps, *us):
+            return Flat([p + u for p, u in zip(ps, us, strict=True)], layout)  # type: ignore[return-value]
+        return Flat(torch._foreach_add(ps, us), layout)  # type: ignore[return-value]
     if not params or composing(params, updates):
         # Traced, or under torch.func / differentiating autograd: plain additions.
         return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
@@ -169,8 +176,15 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
 
 
 def updates_as_params(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> list[Tensor]:
-    """The updates in the order of ``params``, each cast to its parameter's dtype (no
-    call where it already has it: eager overhead)."""
+    """The updates aligned with ``leaves(params)`` (a Flat's buffers, else its values),
+    each cast to its parameter's dtype (no call where it already has it: eager
+    overhead)."""
+    if isinstance(params, Flat):
+        packed = pack(updates, params.layout)
+        return [
+            u if u.dtype == p.dtype else u.to(p.dtype)
+            for p, u in zip(params.buffers, packed.buffers, strict=True)
+        ]
     return [u if (u := updates[k]).dtype == p.dtype else u.to(p.dtype) for k, p in params.items()]
 
 

@@ -21,14 +21,16 @@ from ._base import GradientTransformation, Params, State
 from ._compose import is_transformed, transform_active
 from ._model import explain_buffer_write
 from ._per_sample import check_batch
-from ._tree import tensor_paths
+from ._tree import BUFFERS, tensor_paths
 
 LossFn = Callable[..., Any]
 
 
 def _meta(tree: Any) -> Any:
     return optree.tree_map(
-        lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, tree
+        lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t,
+        tree,
+        namespace=BUFFERS,
     )
 
 
@@ -37,7 +39,7 @@ def _check_tensors(
 ) -> None:
     """Leaves the step can use: no autograd history, real data, and (donated) no
     two views of one memory."""
-    seen: dict[int, str] = {}
+    spans: dict[int, list[tuple[int, int, str]]] = {}
     for where, tree in (("params", params), ("state", state), ("buffers", buffers)):
         for path, t in tensor_paths(tree, where):
             # (under torch.func.grad the inputs are the transform's tracked tensors)
@@ -56,17 +58,26 @@ def _check_tensors(
                     "model.to_empty(device='cpu') and then initialize its parameters "
                     "(or load a checkpoint), and take fg.params(model) after that."
                 )
-            if not donate:
-                continue
-            key = t.untyped_storage().data_ptr()
-            if t.numel() and key in seen:
+            if donate and t.numel():
+                spans.setdefault(t.untyped_storage().data_ptr(), []).append(_span(t, path))
+    for found in spans.values():  # donated: no two tensors may overlap in memory
+        found.sort()
+        for (_, end, first), (start, _, second) in zip(found, found[1:], strict=False):
+            if start < end:
                 raise ValueError(
-                    f"fg.make_step(donate=True): {path} shares memory with {seen[key]}. "
+                    f"fg.make_step(donate=True): {second} shares memory with {first}. "
                     "Donated tensors are written in place, so they must not be views of "
                     "each other; clone one of them (or tie the weights in the module and "
                     "take fg.params(model), which lists a tied parameter once)."
                 )
-            seen[key] = path
+
+
+def _span(t: Tensor, path: str) -> tuple[int, int, str]:
+    """The bytes of its storage that ``t`` reaches: ``(start, end, path)``. The views
+    of one flat buffer (``fg.params(model)``) are disjoint spans of one storage."""
+    reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    start = t.storage_offset() * t.element_size()
+    return start, start + reach * t.element_size(), path
 
 
 _HOST_READ = (
@@ -119,7 +130,9 @@ class Checks:
                     )
         if self.per_sample is not None:  # shapes can change between calls: always check
             check_batch(args, "fg.make_step(per_sample=...)")
-        flat, spec = optree.tree_flatten((params, state, args[:1] if self.buffers else ()))  # type: ignore[arg-type,var-annotated]
+        flat, spec = optree.tree_flatten(  # type: ignore[var-annotated]
+            (params, state, args[:1] if self.buffers else ()), namespace=BUFFERS
+        )
         key = (spec, tuple(map(id, flat)) if self.donate else (), len(args))
         if key == self.last:
             return False

@@ -17,14 +17,27 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._base import Params, check_floating
+from ._flat import flatten_module
 
 
 def params(model: nn.Module) -> Params:
-    """Trainable parameters of ``model`` as a flat dict, detached, sharing storage.
+    """Trainable parameters of ``model`` as a mapping name -> tensor, detached,
+    sharing storage with the module.
 
     Keys are exactly those of ``model.named_parameters()``; parameters with
     ``requires_grad=False`` are left out (they stay frozen), and a parameter shared by
     two modules (tied weights) appears once, under its first name.
+
+    The parameters move into one flat buffer per (device, dtype) (a
+    :class:`funcgrad.Flat`; the module's parameters become views of it, so
+    ``model.load_state_dict(...)`` still writes what the next step trains), and
+    optimizer states built from it are flat too: a compiled step then has a few
+    buffers to update instead of one tensor per parameter (docs/flat-layout.md).
+    A parameter that cannot be a view (channels_last, a tensor subclass such as a
+    DTensor, sparse) keeps the whole model in the per-tensor layout, a plain dict.
+    Calling it again returns the same buffers. After re-allocating the module's
+    parameters (``model.to(dtype)``, ``model.half()``, ``to_empty``), call it again:
+    a step given the old params raises an error instead of training a copy.
 
     Example:
         >>> import torch, funcgrad as fg
@@ -33,9 +46,11 @@ def params(model: nn.Module) -> Params:
         >>> sorted(p), p["weight"].data_ptr() == model.weight.data_ptr()
         (['bias', 'weight'], True)
     """
-    out = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    out = {name: p.detach() for name, p in named.items()}
     check_floating(out, "fg.params")
-    return out
+    flat = flatten_module(model, named)
+    return out if flat is None else flat  # type: ignore[return-value]
 
 
 def buffers(model: nn.Module) -> dict[str, Tensor]:

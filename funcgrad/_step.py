@@ -41,6 +41,7 @@ from torch.func import grad_and_value
 from ._base import GradientTransformation, Params, State, apply_updates, updates_as_params
 from ._checks import Checks, LossFn, compile_scope, explain_compile_failure
 from ._compose import transform_active
+from ._flat import Flat, leaves, like
 from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write, watching_buffers
 from ._per_sample import vmapped_grads
 from ._scratch import Scratch, lending
@@ -139,7 +140,7 @@ def _after_gradients(grads: Params, old: Any, new: Any) -> Any:
     writes after the backward. The select fuses into the update kernels, which read
     the old values anyway.
     """
-    probes = [g.reshape(-1)[:1].to(torch.float32) for g in grads.values() if g.numel()]
+    probes = [g.reshape(-1)[:1].to(torch.float32) for g in leaves(grads) if g.numel()]
     if not probes:
         return new
     probe = torch.cat(probes)
@@ -268,7 +269,11 @@ def make_step(
         the updates in place of the new params. ``record=False`` (the eager step, where
         nothing differentiates through the update) runs ``tx`` without autograd, so its
         fast paths need not look for tensors that require grad (funcgrad/_compose.py)."""
-        grads, loss, new_bufs, aux = grad_fn(params, *args)
+        layout = params.layout if isinstance(params, Flat) else None
+        # Flat params (fg.params(model)): the loss sees per-name views, and the
+        # per-name gradients are gathered into the flat layout in one cat per buffer.
+        grads, loss, new_bufs, aux = grad_fn(params if layout is None else params.views(), *args)
+        grads = like(grads, layout)
         with contextlib.nullcontext() if record else torch.no_grad():
             updates, new_state = tx.update(grads, state, params)
             new: tuple[Any, ...] = (
@@ -332,6 +337,8 @@ def make_step(
     per_thread = _PerThread()
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        if isinstance(params, Flat):
+            params.check_attached("fg.make_step")
         if transform_active():
             # Under torch.func.grad/vmap (meta-learning, ensembles): the pure step's
             # math, eagerly; no fast path (plain autograd, scratch buffers), no write.
@@ -369,7 +376,7 @@ def make_step(
         # Eager and donated: out starts with the updates.
         given = (params, state, args[0]) if buffers else (params, state)
         added = updates_as_params(params, out[0])
-        commit(given[1:], out[1 : len(given)], add_to=list(params.values()), add=added)
+        commit(given[1:], out[1 : len(given)], add_to=leaves(params), add=added)
         scratch.reclaim()
         return given + out[len(given) :]
 

@@ -18,6 +18,7 @@ from ._base import (
     shardable,
     stateless,
 )
+from ._flat import Flat, by_buffer, from_buffers
 from ._groups import Groups, as_groups
 from ._rule_base import apply_rule, check_is_rule, group_norm, group_size, zero_count
 from .rules import all_zero, any_nonfinite, clip_norm
@@ -65,6 +66,12 @@ def per_group(
         groups.check_against(grads, "fg.per_group.update")
         ranks = _rb.shards()
 
+        segments = _segments(grads, groups) if ranks is None else None
+        if segments is not None and _rb.reads_input_only(rule):
+            # Flat gradients: funcgrad's rules are elementwise but for statistics over
+            # the whole group, so each group is one segment of a buffer.
+            return _on_segments(grads, segments, rule), state  # type: ignore[arg-type]
+
         def apply_all() -> Params:
             out = dict(grads)
             for names in groups.values():
@@ -80,6 +87,63 @@ def per_group(
         return (_rb.batched(apply_all) if _rb.reads_input_only(rule) else apply_all()), state
 
     return shardable(GradientTransformation(init, update))
+
+
+def _segments(
+    grads: Mapping[str, Tensor], groups: Groups
+) -> list[tuple[int, int, int]] | None:
+    """Each group's ``(buffer, start, stop)`` in flat gradients, sorted; None unless
+    ``grads`` is a :class:`funcgrad.Flat` whose groups are disjoint gap-free runs."""
+    if not isinstance(grads, Flat):
+        return None
+    segs = []
+    for names in groups.values():
+        seg = grads.layout.segment(names)
+        if seg is None:
+            return None
+        segs.append(seg)
+    segs.sort()
+    for (b0, _, stop), (b1, start, _) in zip(segs, segs[1:], strict=False):
+        if b0 == b1 and start < stop:
+            return None  # overlapping groups
+    return segs
+
+
+def _on_segments(
+    grads: Flat, segments: list[tuple[int, int, int]], rule: Callable[..., Mapping[str, Tensor]]
+) -> Flat:
+    """``rule`` on every group as one segment of its buffer; the rest passes through."""
+    out = []
+    for b, buf in enumerate(grads.buffers):
+        pieces, at = [], 0
+        for i, start, stop in segments:
+            if i != b:
+                continue
+            if start > at:
+                pieces.append(buf[at:start])
+            pieces.append(apply_rule(rule, {"segment": buf[start:stop]})["segment"])
+            at = stop
+        if at < buf.numel():
+            pieces.append(buf[at:])
+        out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+    return Flat(out, grads.layout)
+
+
+def _group_views(
+    grads: Mapping[str, Tensor], groups: Groups
+) -> dict[str, dict[str, Tensor]]:
+    """Each group as a dict; a group that is one segment of flat gradients is that
+    segment alone (its statistics are the group's)."""
+    segs = isinstance(grads, Flat)
+    out = {}
+    for g, names in groups.items():
+        seg = grads.layout.segment(names) if segs else None  # type: ignore[attr-defined]
+        if seg is not None:
+            b, start, stop = seg
+            out[g] = {"segment": grads.buffers[b][start:stop]}  # type: ignore[attr-defined]
+        else:
+            out[g] = {n: grads[n] for n in names}
+    return out
 
 
 _all_zero = all_zero()
@@ -147,9 +211,12 @@ def monitor(
         grads: Params, state: State, params: Params | None = None
     ) -> tuple[Params, MonitorState]:
         groups.check_against(grads, "fg.monitor.update")
-        new = _rb.batched(
-            lambda: {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
-        )
+        if _rb.shards() is None:
+            new = {g: compute(group) for g, group in _group_views(grads, groups).items()}
+        else:
+            new = _rb.batched(
+                lambda: {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
+            )
         return grads, MonitorState(new)
 
     return shardable(GradientTransformation(init, update))
@@ -170,4 +237,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         {'a': tensor([0.6000]), 'b': tensor([0.8000])}
     """
     rule = clip_norm(max_norm)
-    return shardable(stateless(lambda grads, params: rule(grads)))
+
+    def clip(grads: Params, params: Params | None) -> Params:
+        if isinstance(grads, Flat) and _rb.shards() is None:  # the norm over the buffers
+            return from_buffers(rule(by_buffer(grads)), grads.layout)  # type: ignore[return-value]
+        return rule(grads)
+
+    return shardable(stateless(clip))

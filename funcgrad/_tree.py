@@ -26,7 +26,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 NAMESPACE = "funcgrad"
-"""The optree namespace in which funcgrad keeps dicts in insertion order."""
+"""The optree namespace in which funcgrad keeps dicts in insertion order, and a
+``funcgrad.Flat`` has one child per name (paths, messages, checkpoints)."""
+
+BUFFERS = "funcgrad.buffers"
+"""The optree namespace in which a ``funcgrad.Flat``'s children are its buffers
+(what a step reads and writes), as in torch's pytree."""
 
 
 def flatten(tree: Any) -> tuple[list[optree.PyTreeAccessor], list[Any], optree.PyTreeSpec]:
@@ -96,7 +101,7 @@ def commit(dst: Any, src: Any, add_to: Sequence[Tensor] = (), add: Sequence[Tens
     ``apply_updates`` and a copy would write, bit for bit, in one pass. Eager code
     only (after the compiled step ran).
     """
-    into, spec = optree.tree_flatten(dst, none_is_leaf=True)
+    into, spec = optree.tree_flatten(dst, none_is_leaf=True, namespace=BUFFERS)
     # optree walks in C++ (dict entries matched by key): torch's pytree took 2.6 ms of a
     # 30 ms eager step over 100 layers' Adam state here
     pairs: list[tuple[Any, Any]] = [

@@ -1,0 +1,362 @@
+"""One flat layout: parameters, gradients and optimizer state in a few contiguous buffers.
+
+:class:`Flat` is a read-only ``Mapping[str, Tensor]`` whose entries are views into
+one contiguous 1-D buffer per (device, dtype), in ``named_parameters()`` order, so
+each module's own parameters (a group of ``fg.group_by_module``) are one segment.
+A user reads it as a dict (``params["fc1.weight"]``, ``state.mu["fc1.weight"]``,
+checkpoints keyed by name, as before); the code that runs every step sees a few
+buffers instead of one tensor per parameter:
+
+- as a pytree (``torch.utils._pytree``, and optree's default namespace) its leaves
+  are the buffers, so a compiled step has a few inputs and a ``tree_map`` over it
+  is one elementwise op per buffer;
+- in optree's ``funcgrad`` namespace (checks, messages, checkpoints) its children
+  are the per-name views, so paths read ``mu['fc1.weight']`` and a checkpoint has
+  today's names and shapes (loaded back into the flat layout).
+
+Why: ``torch.compile`` generates and compiles code per tensor, so a step over 40
+small layers took 4.4x the gradients' own compile with one tensor per parameter
+(``benchmarks/study_flat_state.py``); Adam over three flat buffers is one kernel.
+
+:func:`funcgrad.params` builds it from a module and makes the module's parameters
+views of its buffers (``param.data = view``), so the module and the dict stay one
+set of tensors; :meth:`Flat.check_attached` finds a module whose parameters were
+re-allocated since (``model.to(dtype)``, ``to_empty``, an assignment to ``.data``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from ._tree import BUFFERS, NAMESPACE
+
+
+class Layout:
+    """Where each name lives: ``(buffer index, offset, shape)``; interned, hashable.
+
+    Two layouts with the same entries are the same object (:meth:`of`), so a
+    compiled step guarding on it never recompiles for an equal one.
+    """
+
+    __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes", "spans")
+    _interned: dict[tuple[Any, ...], Layout] = {}
+
+    names: tuple[str, ...]
+    entries: tuple[tuple[int, int, tuple[int, ...]], ...]
+    sizes: tuple[int, ...]
+    index: dict[str, int]
+    spans: tuple[tuple[int, int], ...]
+    members: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def of(
+        cls, names: Sequence[str], entries: Sequence[tuple[int, int, tuple[int, ...]]]
+    ) -> Layout:
+        key = (tuple(names), tuple((b, o, tuple(s)) for b, o, s in entries))
+        found = cls._interned.get(key)
+        if found is not None:
+            return found
+        self = object.__new__(cls)
+        self.names, self.entries = key
+        count = 1 + max((b for b, _, _ in self.entries), default=-1)
+        sizes = [0] * count
+        for b, o, s in self.entries:
+            sizes[b] = max(sizes[b], o + math.prod(s))
+        self.sizes = tuple(sizes)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.spans = tuple((o, math.prod(s)) for _, o, s in self.entries)
+        self.members = tuple(
+            tuple(n for n, (i, _, _) in zip(self.names, self.entries, strict=True) if i == b)
+            for b in range(count)
+        )
+        cls._interned[key] = self
+        return self
+
+    @classmethod
+    def for_tensors(cls, named: Mapping[str, Tensor]) -> Layout:
+        """One buffer per (device, dtype), in the order of first appearance; each
+        buffer's entries in the mapping's order, packed without gaps."""
+        kinds: dict[tuple[torch.device, torch.dtype], int] = {}
+        fill: list[int] = []
+        entries = []
+        for t in named.values():
+            b = kinds.setdefault((t.device, t.dtype), len(kinds))
+            if b == len(fill):
+                fill.append(0)
+            entries.append((b, fill[b], tuple(t.shape)))
+            fill[b] += t.numel()
+        return cls.of(list(named), entries)
+
+    def names_in(self, b: int) -> tuple[str, ...]:
+        """The names in buffer ``b``, in order."""
+        return self.members[b]
+
+    def segment(self, names: Sequence[str]) -> tuple[int, int, int] | None:
+        """``(buffer, start, stop)`` if ``names`` are, in this order, one gap-free run
+        of one buffer; else None."""
+        if not names or any(n not in self.index for n in names):
+            return None
+        first = self.entries[self.index[names[0]]]
+        b, start = first[0], first[1]
+        at = start
+        for n in names:
+            i, o, s = self.entries[self.index[n]]
+            if i != b or o != at:
+                return None
+            at += math.prod(s)
+        return b, start, at
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.names)} tensors in {len(self.sizes)} buffer(s))"
+
+    def __reduce__(self) -> Any:  # pickles (deepcopy) as the interned object
+        return (Layout.of, (self.names, self.entries))
+
+
+class Flat(Mapping[str, Tensor]):
+    """A read-only mapping ``name -> view`` over one flat buffer per (device, dtype).
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> p = fg.params(model)
+        >>> type(p).__name__, list(p), [tuple(b.shape) for b in p.buffers]
+        ('Flat', ['weight', 'bias'], [(3,)])
+        >>> p["weight"].data_ptr() == model.weight.data_ptr()
+        True
+    """
+
+    __slots__ = ("_owner", "_views", "buffers", "layout")
+
+    buffers: tuple[Tensor, ...]
+    layout: Layout
+
+    def __init__(
+        self, buffers: Sequence[Tensor], layout: Layout, owner: tuple[Any, ...] | None = None
+    ) -> None:
+        self.buffers = tuple(buffers)
+        self.layout = layout
+        self._views: dict[str, Tensor] | None = None
+        self._owner = owner
+
+    # The mapping: views made on first use (and kept, outside traced code).
+    def views(self) -> dict[str, Tensor]:
+        """Every entry as a view of its buffer, in order (a new plain dict)."""
+        if self._views is not None:
+            return dict(self._views)
+        out = {
+            n: self.buffers[b].narrow(0, o, math.prod(s)).view(s)
+            for n, (b, o, s) in zip(self.layout.names, self.layout.entries, strict=True)
+        }
+        if not torch.compiler.is_compiling():
+            self._views = out
+        return dict(out)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if self._views is not None:
+            return self._views[name]
+        i = self.layout.index.get(name) if isinstance(name, str) else None
+        if i is None:
+            raise KeyError(name)
+        b, o, s = self.layout.entries[i]
+        return self.buffers[b].narrow(0, o, math.prod(s)).view(s)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout.index
+
+    def __repr__(self) -> str:
+        return f"Flat({self.views()!r})"
+
+    def __reduce__(self) -> Any:  # copy.deepcopy / pickle: the buffers and the layout
+        return (Flat, (self.buffers, self.layout))
+
+    def _detached_name(self) -> str | None:
+        """The first parameter of the module this came from that is no longer a view
+        of these buffers, or None."""
+        if self._owner is None:
+            return None
+        model_ref, refs, ptrs = self._owner
+        if model_ref() is None:
+            return None  # the module is gone: nothing to keep in step with
+        for (name, ref), ptr in zip(refs, ptrs, strict=True):
+            p = ref()
+            if p is None or p.data_ptr() != ptr:
+                return name
+        return None
+
+    def attached(self) -> bool:
+        return self._detached_name() is None
+
+    def check_attached(self, what: str) -> None:
+        """Raise if the module this came from no longer trains these buffers."""
+        name = self._detached_name()
+        if name is not None:
+            raise RuntimeError(
+                f"{what}: the module's parameter '{name}' is no longer the tensor that "
+                "these params hold: it was re-allocated after fg.params(model) (by "
+                "model.to(...), .half(), .to_empty(...), or an assignment to "
+                "param.data), so a step would train a detached copy and the module would "
+                "never see it. Call fg.params(model) again after moving or converting "
+                "the model, and build the state for it (tx.init or fg.load_state_dict)."
+            )
+
+
+def pack(tree: Mapping[str, Tensor], layout: Layout) -> Flat:
+    """``tree`` (any mapping with ``layout``'s names) in ``layout``: ``tree`` itself if
+    it already is; otherwise one ``cat`` per buffer, each entry keeping its dtype
+    where the buffer's entries share one (a float32 update of a bfloat16 parameter
+    stays float32)."""
+    if isinstance(tree, Flat) and tree.layout is layout:
+        return tree
+    bufs = []
+    for b in range(len(layout.sizes)):
+        parts = [tree[n].reshape(-1) for n in layout.names_in(b)]
+        bufs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return Flat(bufs, layout)
+
+
+def like(tree: Mapping[str, Tensor], layout: Layout | None) -> Mapping[str, Tensor]:
+    """``tree`` packed into ``layout``, or ``tree`` unchanged when ``layout`` is None."""
+    return tree if layout is None else pack(tree, layout)
+
+
+def layout_of(*trees: object) -> Layout | None:
+    """The layout of the first :class:`Flat` among ``trees``, else None."""
+    for t in trees:
+        if isinstance(t, Flat):
+            return t.layout
+    return None
+
+
+def same_layout(*trees: object) -> Layout | None:
+    """The shared layout if every tree is a :class:`Flat` of one layout, else None."""
+    if not trees or not all(isinstance(t, Flat) for t in trees):
+        return None
+    first = trees[0].layout  # type: ignore[attr-defined]
+    return first if all(t.layout is first for t in trees) else None  # type: ignore[attr-defined]
+
+
+def by_buffer(tree: Flat) -> dict[str, Tensor]:
+    """The buffers keyed ``"0"``, ``"1"``...: per-name code run on whole buffers."""
+    return {str(i): b for i, b in enumerate(tree.buffers)}
+
+
+def from_buffers(out: Mapping[str, Tensor], layout: Layout) -> Flat:
+    """The inverse of :func:`by_buffer`."""
+    return Flat([out[str(i)] for i in range(len(layout.sizes))], layout)
+
+
+def zeros_like(params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """Zeros shaped like ``params``, in its layout (flat for a :class:`Flat`)."""
+    if isinstance(params, Flat):
+        return Flat([torch.zeros_like(b) for b in params.buffers], params.layout)
+    return {k: torch.zeros_like(p) for k, p in params.items()}
+
+
+def leaves(tree: Mapping[str, Tensor]) -> list[Tensor]:
+    """The tensors that hold ``tree``'s data: a Flat's buffers, else its values."""
+    return list(tree.buffers) if isinstance(tree, Flat) else list(tree.values())
+
+
+# -- pytree registrations ---------------------------------------------------------
+
+
+def _flatten_buffers(f: Flat) -> tuple[list[Tensor], Layout]:
+    return list(f.buffers), f.layout
+
+
+def _unflatten_buffers(children: Sequence[Any], layout: Layout) -> Flat:
+    return Flat(tuple(children), layout)
+
+
+pytree.register_pytree_node(
+    Flat,
+    _flatten_buffers,  # type: ignore[arg-type]
+    _unflatten_buffers,  # type: ignore[arg-type]
+    serialized_type_name="funcgrad.Flat",
+)
+optree.register_pytree_node(
+    Flat,
+    _flatten_buffers,  # type: ignore[arg-type]
+    lambda layout, children: Flat(tuple(children), layout),  # optree: (metadata, children)
+    namespace=BUFFERS,
+)
+
+
+def _flatten_names(f: Flat) -> tuple[list[Tensor], Layout, tuple[str, ...]]:
+    return list(f.views().values()), f.layout, f.layout.names
+
+
+def _unflatten_names(layout: Layout, children: Sequence[Any]) -> Any:
+    named = dict(zip(layout.names, children, strict=True))
+    if all(isinstance(c, Tensor) for c in children) and children:
+        return pack(named, layout)
+    return named  # non-tensor leaves (masks, labels): a plain dict of them
+
+
+optree.register_pytree_node(
+    Flat,
+    _flatten_names,  # type: ignore[arg-type]
+    _unflatten_names,  # type: ignore[arg-type]
+    path_entry_type=optree.MappingEntry,
+    namespace=NAMESPACE,
+)
+
+
+# -- from a module --------------------------------------------------------------
+
+
+def _flattenable(p: Tensor) -> bool:
+    """A parameter that can become a view of a flat buffer without changing its meaning
+    or speed: a plain dense contiguous tensor (not channels_last, not a DTensor or
+    other subclass, not sparse)."""
+    return type(p) in (nn.Parameter, Tensor) and p.layout == torch.strided and p.is_contiguous()
+
+
+def flatten_module(model: nn.Module, named: dict[str, nn.Parameter]) -> Flat | None:
+    """Move ``named`` (the trainable parameters of ``model``) into flat buffers, the
+    parameters becoming views of them; None where the flat layout cannot hold (a
+    parameter that is not a plain contiguous dense tensor: see :func:`_flattenable`),
+    and the caller keeps one tensor per parameter."""
+    if not named or not all(_flattenable(p) for p in named.values()):
+        return None
+    data = {k: p.detach() for k, p in named.items()}
+    flat = _BUILT.get(model)
+    if flat is not None and (list(flat) != list(named) or not flat.attached()):
+        flat = None
+    if flat is None:
+        layout = Layout.for_tensors(data)
+        with torch.no_grad():  # new buffers (cat copies, also of a single tensor)
+            flat = Flat(
+                [torch.cat([data[n].reshape(-1) for n in layout.names_in(b)]) for b in range(len(layout.sizes))],
+                layout,
+            )
+            for k, view in flat.views().items():
+                named[k].data = view
+    views = flat.views()
+    flat._owner = (
+        weakref.ref(model),
+        tuple((k, weakref.ref(p)) for k, p in named.items()),
+        tuple(views[k].data_ptr() for k in named),
+    )
+    _BUILT[model] = flat
+    return Flat(flat.buffers, flat.layout, owner=flat._owner)
+
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, Flat] = weakref.WeakKeyDictionary()
+"""The last flat params built for each module: a second ``fg.params(model)`` returns
+its buffers while the module's parameters are still their views."""
