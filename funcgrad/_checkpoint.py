@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_floating, describe
+from ._flat import layout_of, like
 from ._shard import contains_sharded
 from ._state import load_state_dict, state_dict
 from ._tree import commit, names_mismatch
@@ -159,5 +160,6 @@ def load_checkpoint(
                 f"{describe(live)} here. Was it saved for another model?"
             )
     state = load_state_dict(tx, params, payload["state"])
-    commit(params, {k: saved[k].to(params[k].device) for k in params})
+    # (into flat params, one cat per buffer of the saved per-name tensors)
+    commit(params, like({k: saved[k].to(params[k].device) for k in params}, layout_of(params)))
     return params, state, dict(payload["extra"])

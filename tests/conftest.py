@@ -41,12 +41,13 @@ def seed_model() -> SeedModel:
 
 
 def assert_trees_close(a: Any, b: Any, rtol: float = 0.0, atol: float = 0.0) -> None:
-    import optree
+    """Equal trees, entry by entry by path: a ``fg.Flat`` compares as the dict of its
+    per-name views, so the flat and the per-tensor layouts compare with each other."""
+    from funcgrad._tree import leaves_with_paths
 
-    la, sa = optree.tree_flatten(a)
-    lb, sb = optree.tree_flatten(b)
-    assert sa == sb, f"structures differ: {sa} vs {sb}"
-    for x, y in zip(la, lb, strict=True):
+    pa, pb = leaves_with_paths(a), leaves_with_paths(b)
+    assert [p for p, _ in pa] == [p for p, _ in pb], f"structures differ: {pa} vs {pb}"
+    for (_, x), (_, y) in zip(pa, pb, strict=True):
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and x.shape == y.shape
             torch.testing.assert_close(x, y, rtol=rtol, atol=atol, equal_nan=True)

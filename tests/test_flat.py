@@ -1,0 +1,303 @@
+"""The flat layout (funcgrad/_flat.py): fg.params(model) keeps the trainable parameters
+in one buffer per (device, dtype), the module's parameters being views of it.
+
+Every test compares against an independent reference: torch.optim, the per-tensor
+layout (a params dict built by hand, which the rest of the suite checks against
+torch.optim and Python loops), or a checkpoint written before the flat layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_trees_close
+from torch import nn
+
+import funcgrad as fg
+from funcgrad._flat import Flat
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def mlp(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(dtype)
+
+
+def batches(n: int, dtype: torch.dtype = torch.float64) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(16, 4, generator=g, dtype=dtype), torch.randn(16, 3, generator=g, dtype=dtype))
+        for _ in range(n)
+    ]
+
+
+def seed_tx(model: nn.Module, **adam: object) -> fg.GradientTransformation:
+    groups = fg.group_by_module(model)
+    return fg.chain(
+        fg.monitor(groups),
+        fg.per_group(fg.rules.zero_fix(), groups),
+        fg.adamw(**{"lr": 1e-2, "weight_decay": 0.1, **adam}),  # type: ignore[arg-type]
+    )
+
+
+def per_tensor(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The per-tensor layout: a params dict built by hand."""
+    return {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
+
+
+def train(model: nn.Module, params, tx, steps: int = 4, compile=False, dead: bool = True):
+    loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()  # noqa: E731
+    step = fg.make_step(loss, tx, donate=True, compile=compile)
+    state = tx.init(params)
+    dtype = next(iter(params.values())).dtype
+    for i, (x, y) in enumerate(batches(steps, dtype)):
+        if dead and i % 2 == 0:  # an all-zero layer: the seed rule's first branch fires
+            x = torch.zeros_like(x)
+        params, state, _ = step(params, state, x, y)
+    return params, state
+
+
+def test_params_are_views_of_one_buffer_and_stay_the_modules() -> None:
+    model = mlp()
+    p = fg.params(model)
+    assert isinstance(p, Flat) and len(p.buffers) == 1
+    assert p.buffers[0].numel() == sum(t.numel() for t in model.parameters())
+    for k, t in model.named_parameters():
+        assert p[k].data_ptr() == t.data_ptr() and p[k].shape == t.shape
+    # a second call returns the same buffers; load_state_dict writes what the step trains
+    assert fg.params(model).buffers[0] is p.buffers[0]
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+    assert torch.equal(p.buffers[0], torch.full_like(p.buffers[0], 0.5))
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}])
+def test_flat_equals_per_tensor_layout(compile) -> None:
+    """The seed rule (both branches) + monitor + AdamW with amsgrad, 4 donated steps."""
+    a, b = mlp(), mlp()
+    pa, sa = train(a, fg.params(a), seed_tx(a, amsgrad=True), compile=compile)
+    pb, sb = train(b, per_tensor(b), seed_tx(b, amsgrad=True), compile=compile)
+    assert isinstance(pa, Flat) and isinstance(sa.inner_states[2].mu, Flat)
+    assert not isinstance(pb, Flat)
+    assert_trees_close(dict(pa), dict(pb))
+    assert_trees_close(sa.inner_states[2], sb.inner_states[2])
+    # monitor's norm is one reduction over a segment instead of a norm of norms
+    assert_trees_close(sa.inner_states[0], sb.inner_states[0], rtol=1e-12)
+    for k, t in a.named_parameters():  # the module trained in place
+        assert torch.equal(t.detach(), pb[k])
+
+
+def test_flat_adamw_equals_torch_optim() -> None:
+    model = mlp()
+    ref = copy.deepcopy(model)
+    params = fg.params(model)
+    tx = fg.adamw(lr=1e-2, weight_decay=0.1)
+    loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()  # noqa: E731
+    step = fg.make_step(loss, tx, donate=True)
+    state = tx.init(params)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches(5):
+        params, state, _ = step(params, state, x, y)
+        opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        opt.step()
+        for k, t in ref.named_parameters():
+            torch.testing.assert_close(params[k], t.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_mask_that_splits_a_buffer_falls_back_to_views() -> None:
+    """Decay on weights only: one buffer holds decayed and undecayed tensors."""
+    mask = lambda name, p: p.dim() > 1  # noqa: E731
+    a, b = mlp(), mlp()
+    pa, sa = train(a, fg.params(a), seed_tx(a, mask=mask))
+    pb, sb = train(b, per_tensor(b), seed_tx(b, mask=mask))
+    assert isinstance(sa.inner_states[2].mu, Flat)
+    assert_trees_close(dict(pa), dict(pb))
+    assert_trees_close(sa.inner_states[2], sb.inner_states[2])
+
+
+def test_mixed_dtypes_one_buffer_each() -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        m[2].double()
+        return m
+
+    class Cast(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner[2](self.inner[1](self.inner[0](x.float())).double())
+
+    a, b = Cast(build()), Cast(build())
+    pa = fg.params(a)
+    assert [t.dtype for t in pa.buffers] == [torch.float32, torch.float64]
+    pa, sa = train(a, pa, seed_tx(a))
+    pb, sb = train(b, per_tensor(b), seed_tx(b))
+    assert_trees_close(dict(pa), dict(pb))
+    assert_trees_close(sa.inner_states[2], sb.inner_states[2])
+
+
+def test_low_precision_flat_equals_per_tensor() -> None:
+    for dtype in (torch.bfloat16, torch.float16):
+        a, b = mlp(dtype), mlp(dtype)
+        pa, _ = train(a, fg.params(a), fg.adam(lr=1e-2), dead=False)
+        pb, _ = train(b, per_tensor(b), fg.adam(lr=1e-2), dead=False)
+        assert_trees_close(dict(pa), dict(pb))
+
+
+def test_frozen_tied_and_single_parameter() -> None:
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight  # tied
+    norm = nn.LayerNorm(4)
+    norm.bias.requires_grad_(False)  # frozen
+    model = nn.Sequential(emb, norm, head)
+    p = fg.params(model)
+    assert list(p) == ["0.weight", "1.weight"]
+    assert p.buffers[0].numel() == 5 * 4 + 4
+    assert model[2].weight.data_ptr() == p["0.weight"].data_ptr()
+    one = nn.Linear(3, 1, bias=False)
+    q = fg.params(one)
+    assert list(q) == ["weight"] and q["weight"].data_ptr() == one.weight.data_ptr()
+    tx = fg.adam(lr=0.1)
+    loss = lambda p, x: fg.call(one, p, x).sum()  # noqa: E731
+    q, s, _ = fg.make_step(loss, tx, donate=True)(q, tx.init(q), torch.ones(2, 3))
+    assert torch.allclose(one.weight.detach(), q["weight"])
+
+
+def test_reallocated_module_is_an_error_not_a_detached_copy() -> None:
+    model = mlp(torch.float32)
+    params = fg.params(model)
+    tx = fg.adam()
+    state = tx.init(params)
+    loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()  # noqa: E731
+    step = fg.make_step(loss, tx, donate=True)
+    x, y = (t.float() for t in batches(1)[0])
+    params, state, _ = step(params, state, x, y)
+    model.double()
+    with pytest.raises(RuntimeError, match=re.escape("Call fg.params(model) again")):
+        step(params, state, x, y)
+    fresh = fg.params(model)  # the fix works
+    assert fresh.buffers[0].dtype == torch.float64
+    fg.make_step(loss, tx, donate=True)(fresh, tx.init(fresh), x.double(), y.double())
+    with torch.no_grad():
+        model[0].weight.data = torch.zeros(8, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="'0.weight' is no longer the tensor"):
+        fg.make_step(loss, tx)(fresh, tx.init(fresh), x.double(), y.double())
+
+
+def test_meta_device_init_then_to_empty() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    stale = fg.params(model)
+    model.to_empty(device="cpu")
+    nn.init.ones_(model.weight)
+    nn.init.zeros_(model.bias)
+    loss = lambda p, x: fg.call(model, p, x).sum()  # noqa: E731
+    tx = fg.adam()
+    with pytest.raises(RuntimeError, match=re.escape("Call fg.params(model) again")):
+        fg.make_step(loss, tx)(stale, tx.init(fg.params(model)), torch.ones(1, 3))
+    params = fg.params(model)
+    assert params["weight"].data_ptr() == model.weight.data_ptr()
+    assert torch.equal(params["weight"], torch.ones(2, 3))
+
+
+def test_channels_last_keeps_the_per_tensor_layout() -> None:
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    p = fg.params(conv)
+    assert not isinstance(p, Flat)
+    assert p["weight"].data_ptr() == conv.weight.data_ptr()
+
+
+def test_parametrized_weight_trains_the_original() -> None:
+    """torch.nn.utils.parametrize: the parameter is the original; the computed weight is
+    recomputed from its view in every forward."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+        parametrize.register_parametrization(m[0], "weight", Symmetric())
+        return m
+
+    a, b = build(), build()
+    x, y = batches(1)[0]
+    assert isinstance(fg.params(a), Flat)
+    pa, _ = train(a, fg.params(a), fg.adam(lr=1e-2), dead=False)
+    pb, _ = train(b, per_tensor(b), fg.adam(lr=1e-2), dead=False)
+    assert_trees_close(dict(pa), dict(pb))
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+
+
+def test_per_sample_and_buffers_on_flat_params() -> None:
+    a, b = mlp(), mlp()
+    rule = fg.per_group(fg.rules.clip_norm(0.1), fg.group_by_module(a))
+    results = []
+    for m, p in ((a, fg.params(a)), (b, per_tensor(b))):
+        loss = lambda p, x, y, m=m: ((fg.call(m, p, x) - y) ** 2).mean()  # noqa: E731
+        step = fg.make_step(loss, fg.adam(lr=1e-2), per_sample=rule)
+        s = fg.adam(lr=1e-2).init(p)
+        for x, y in batches(2):
+            p, s, _ = step(p, s, x, y)
+        results.append(dict(p))
+    assert_trees_close(*results)
+
+    def bn() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+
+    outs = []
+    for m in (bn(), bn()):
+        p = fg.params(m) if not outs else per_tensor(m)
+        loss = lambda p, b, x, y, m=m: ((fg.call(m, p, x, buffers=b) - y) ** 2).mean()  # noqa: E731
+        step = fg.make_step(loss, fg.adam(lr=1e-2), buffers=True, donate=True)
+        s, bufs = fg.adam(lr=1e-2).init(p), fg.buffers(m)
+        for x, y in batches(3):
+            p, s, bufs, _ = step(p, s, bufs, x, y)
+        outs.append((dict(p), dict(bufs)))
+    assert_trees_close(outs[0], outs[1])
+
+
+def test_checkpoint_written_before_the_flat_layout_resumes_bit_for_bit() -> None:
+    """tests/fixtures/before_flat.ckpt: 3 steps saved by funcgrad before this change
+    (per-tensor state); resumed in the flat layout, 3 more steps equal the params the
+    old version reached (before_flat_after6.pt)."""
+    model = mlp()
+    tx = seed_tx(model, amsgrad=True)
+    params = fg.params(model)
+    params, state, extra = fg.load_checkpoint(FIXTURES / "before_flat.ckpt", tx, params)
+    assert extra == {"step": 3} and isinstance(state.inner_states[2].mu, Flat)
+    loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()  # noqa: E731
+    step = fg.make_step(loss, tx, donate=True)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 4, generator=g, dtype=torch.float64) for _ in range(6)]
+    ys = [torch.randn(16, 3, generator=g, dtype=torch.float64) for _ in range(6)]
+    for i in range(3, 6):
+        params, state, _ = step(params, state, xs[i], ys[i])
+    expected = torch.load(FIXTURES / "before_flat_after6.pt", weights_only=True)
+    assert_trees_close(dict(params), expected)
+
+
+def test_checkpoints_move_both_ways_between_layouts(tmp_path: Path) -> None:
+    a, b = mlp(), mlp()
+    pa, sa = train(a, fg.params(a), seed_tx(a))
+    pb, sb = train(b, per_tensor(b), seed_tx(b))
+    assert fg.state_dict(sa).keys() == fg.state_dict(sb).keys()
+    assert_trees_close(fg.state_dict(sa.inner_states[2]), fg.state_dict(sb.inner_states[2]))
+    fg.save_checkpoint(tmp_path / "flat.ckpt", pa, sa)
+    c = mlp()
+    pc, sc, _ = fg.load_checkpoint(tmp_path / "flat.ckpt", seed_tx(c), per_tensor(c))
+    assert not isinstance(sc.inner_states[2].mu, Flat)
+    assert_trees_close(sc.inner_states[2], sb.inner_states[2])
+    assert_trees_close(dict(pc), dict(pb))
