@@ -9,8 +9,12 @@ per layer + Adam, donated) that funcgrad does not offer.
 Variants, each compiled in a fresh process with empty inductor caches (the
 ``cold_caches`` of bench_step.py), first call then median step:
 
-* ``grad``        ``torch.compile(torch.func.grad_and_value(loss))`` (#13's reference)
-* ``step``        ``fg.make_step(..., compile=True, donate=True)``, as shipped
+* ``grad``        ``torch.compile(torch.func.grad_and_value(loss))`` over one tensor per
+  parameter (#13's reference: the model's own gradients)
+* ``step``        ``fg.make_step(..., compile=True, donate=True)`` on ``fg.params(model)``,
+  as shipped: the flat layout since #21
+* ``step-dict``   the same on a params dict built by hand: the per-tensor layout
+  (funcgrad as shipped before #21)
 * ``flat-state``  Adam's two moments each one flat buffer (params stay per tensor):
   the rule per layer, ``cat`` of the fixed gradients, Adam on the flat vectors,
   each parameter updated from its slice of the flat update
@@ -55,7 +59,7 @@ from bench_scaling import batch, model
 from bench_step import cold_caches, interleaved, mlp
 
 B1, B2, LR, EPS = 0.9, 0.999, 1e-3, 1e-8
-VARIANTS = ("grad", "step", "flat-state", "flat-all", "flat-seg", "flat-idx")
+VARIANTS = ("grad", "step", "step-dict", "flat-state", "flat-all", "flat-seg", "flat-idx")
 Loss = Callable[..., Tensor]
 
 
@@ -198,13 +202,15 @@ def check(layers: int, steps: int = 3) -> float:
 
 def child(layers: int, variant: str) -> dict[str, float]:
     m, loss, x, y = setup(layers)
-    if variant == "grad":
+    if variant == "grad":  # the model's own gradients, one tensor per parameter
         f = torch.compile(grad_and_value(loss), fullgraph=True)
-        params = fg.params(m)
+        params = dict(fg.params(m))
         call: Callable[[], object] = lambda: f(params, x, y)  # noqa: E731
-    elif variant == "step":
+    elif variant in ("step", "step-dict"):
         tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam())
-        params = fg.params(m)
+        params = fg.params(m)  # the flat layout since #21
+        if variant == "step-dict":  # the per-tensor layout: a dict built by hand
+            params = {k: p.detach() for k, p in m.named_parameters()}
         state = tx.init(params)
         step = fg.make_step(loss, tx, compile=True, donate=True)
         call = lambda: step(params, state, x, y)  # noqa: E731
@@ -226,6 +232,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 10, 40])
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; min kept")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -240,7 +247,7 @@ def main() -> None:
             raise SystemExit(f"{name}: the flat steps differ from funcgrad's by {diff:.1e}")
         best: dict[str, dict[str, float]] = {}
         for _ in range(args.rounds):
-            for variant in VARIANTS:
+            for variant in args.variants:
                 with tempfile.TemporaryDirectory() as cache:
                     out = subprocess.run(
                         [sys.executable, __file__, "--child", str(layers), variant],

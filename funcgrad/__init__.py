@@ -35,6 +35,7 @@ from ._combine import chain as chain
 from ._combine import named_chain as named_chain
 from ._combine import partition as partition
 from ._dist import all_reduce_mean as all_reduce_mean
+from ._flat import Flat as Flat
 from ._groups import Groups as Groups
 from ._groups import group_by_module as group_by_module
 from ._migrate import adam_state_from_torch as adam_state_from_torch

@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat as flat
 from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
 from ._compose import transform_active
 from ._invariants import invariants
@@ -88,15 +89,17 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
     def init(params: Params) -> AccumulateState:
         return AccumulateState(
             torch.zeros((), dtype=torch.int64, device=params_device(params)),
-            {k: torch.zeros_like(p) for k, p in params.items()},
+            flat.zeros_like(params),  # flat for fg.params(model)'s layout
             tx.init(params),
         )
 
+    # Both branches give the updates in the accumulator's layout (flat or per tensor).
     def final(acc: Params, inner: State, params: Params | None) -> tuple[Params, State]:
-        return tx.update(acc, inner, params)
+        updates, inner = tx.update(acc, inner, params)
+        return flat.like(updates, flat.layout_of(acc)), inner  # type: ignore[return-value]
 
     def middle(acc: Params, inner: State, params: Params | None) -> tuple[Params, State]:
-        return {k: torch.zeros_like(a) for k, a in acc.items()}, inner
+        return pytree.tree_map(torch.zeros_like, acc), inner
 
     def update(
         grads: Params, state: AccumulateState, params: Params | None = None
@@ -113,10 +116,11 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
         n = state.mini_step + 1
         # The running mean: exact on the first micro-step (acc is 0 there), and no
         # sum of k gradients that could overflow in half precision.
-        acc = {k: a + (grads[k] - a) / n for k, a in state.acc.items()}
+        grads = flat.like(grads, flat.layout_of(state.acc))  # type: ignore[assignment]
+        acc = pytree.tree_map(lambda a, g: a + (g - a) / n, state.acc, grads)
         done = n == every
         updates, inner = _branch(done, final, middle, (acc, state.inner, params))
-        new_acc = {k: torch.where(done, 0.0, a) for k, a in acc.items()}
+        new_acc = pytree.tree_map(lambda a: torch.where(done, 0.0, a), acc)
         return updates, AccumulateState(torch.where(done, 0, n), new_acc, inner)
 
     return shardable(GradientTransformation(init, update), tx)

@@ -30,6 +30,7 @@ from typing import NamedTuple, Union
 import torch
 from torch import Tensor
 
+from . import _flat as flat
 from ._base import (
     GradientTransformation,
     Params,
@@ -38,7 +39,6 @@ from ._base import (
     params_device,
     shardable,
 )
-from . import _flat as flat
 from ._compose import composing, plain_value
 from ._fusion import realize
 from ._invariants import invariants
@@ -293,7 +293,11 @@ def _adam(
         by_buffer = _per_buffer(decay, layout) if layout is not None else None
         if layout is None or by_buffer is None:  # per tensor (a mask splits a buffer: views)
             views = layout is not None
-            args = (grads, state, params, decay) if not views else _as_views(grads, state, params, decay)
+            args = (
+                (grads, state, params, decay)
+                if not views
+                else _as_views(grads, state, params, decay)
+            )
             out = path(*args, *scalars)
             if views:
                 out = tuple(flat.pack(o, layout) if o else o for o in out)  # type: ignore[assignment]
@@ -335,6 +339,7 @@ def _as_views(
     grads: Params, state: AdamState, params: Params | None, decay: Mapping[str, bool]
 ) -> tuple[Params, AdamState, Params | None, Mapping[str, bool]]:
     """Flat arguments as per-name views (plain dicts), for the per-tensor paths."""
+
     def views(t: Params) -> Params:
         return t.views() if isinstance(t, flat.Flat) else t
 

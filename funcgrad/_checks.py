@@ -10,6 +10,7 @@ none of this runs per step: the traced step is pure tensor code.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,7 +40,8 @@ def _check_tensors(
 ) -> None:
     """Leaves the step can use: no autograd history, real data, and (donated) no
     two views of one memory."""
-    spans: dict[int, list[tuple[int, int, str]]] = {}
+    spans: dict[int, list[tuple[int, int, int, str]]] = {}
+    seen = 0
     for where, tree in (("params", params), ("state", state), ("buffers", buffers)):
         for path, t in tensor_paths(tree, where):
             # (under torch.func.grad the inputs are the transform's tracked tensors)
@@ -59,11 +61,13 @@ def _check_tensors(
                     "(or load a checkpoint), and take fg.params(model) after that."
                 )
             if donate and t.numel():
-                spans.setdefault(t.untyped_storage().data_ptr(), []).append(_span(t, path))
+                seen += 1
+                spans.setdefault(t.untyped_storage().data_ptr(), []).append((*_span(t), seen, path))
     for found in spans.values():  # donated: no two tensors may overlap in memory
         found.sort()
-        for (_, end, first), (start, _, second) in zip(found, found[1:], strict=False):
-            if start < end:
+        for a, b in itertools.pairwise(found):
+            if b[0] < a[1]:  # (named in the order the step's inputs list them)
+                first, second = (a[3], b[3]) if a[2] < b[2] else (b[3], a[3])
                 raise ValueError(
                     f"fg.make_step(donate=True): {second} shares memory with {first}. "
                     "Donated tensors are written in place, so they must not be views of "
@@ -72,12 +76,12 @@ def _check_tensors(
                 )
 
 
-def _span(t: Tensor, path: str) -> tuple[int, int, str]:
-    """The bytes of its storage that ``t`` reaches: ``(start, end, path)``. The views
-    of one flat buffer (``fg.params(model)``) are disjoint spans of one storage."""
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``t`` reaches: ``(start, end)``. The views of one
+    flat buffer (``fg.params(model)``) are disjoint spans of one storage."""
     reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     start = t.storage_offset() * t.element_size()
-    return start, start + reach * t.element_size(), path
+    return start, start + reach * t.element_size()
 
 
 _HOST_READ = (

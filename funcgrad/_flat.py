@@ -26,10 +26,11 @@ re-allocated since (``model.to(dtype)``, ``to_empty``, an assignment to ``.data`
 
 from __future__ import annotations
 
+import collections
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import optree
 import torch
@@ -47,7 +48,7 @@ class Layout:
     """
 
     __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes", "spans")
-    _interned: dict[tuple[Any, ...], Layout] = {}
+    _interned: ClassVar[dict[tuple[Any, ...], Layout]] = {}
 
     names: tuple[str, ...]
     entries: tuple[tuple[int, int, tuple[int, ...]], ...]
@@ -153,7 +154,7 @@ class Flat(Mapping[str, Tensor]):
         if self._views is not None:
             return dict(self._views)
         out = {
-            n: self.buffers[b].narrow(0, o, math.prod(s)).view(s)
+            n: _view(self.buffers[b], o, s)
             for n, (b, o, s) in zip(self.layout.names, self.layout.entries, strict=True)
         }
         if not torch.compiler.is_compiling():
@@ -161,13 +162,15 @@ class Flat(Mapping[str, Tensor]):
         return dict(out)
 
     def __getitem__(self, name: str) -> Tensor:
+        if self._views is None and not torch.compiler.is_compiling():
+            self.views()  # made once per object: the same view objects every time
         if self._views is not None:
             return self._views[name]
         i = self.layout.index.get(name) if isinstance(name, str) else None
         if i is None:
             raise KeyError(name)
         b, o, s = self.layout.entries[i]
-        return self.buffers[b].narrow(0, o, math.prod(s)).view(s)
+        return _view(self.buffers[b], o, s)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.layout.names)
@@ -181,8 +184,14 @@ class Flat(Mapping[str, Tensor]):
     def __repr__(self) -> str:
         return f"Flat({self.views()!r})"
 
-    def __reduce__(self) -> Any:  # copy.deepcopy / pickle: the buffers and the layout
-        return (Flat, (self.buffers, self.layout))
+    def __reduce__(self) -> Any:
+        # pickle / torch.save: an OrderedDict of per-name tensors (what a module's
+        # state_dict is), which torch.load(weights_only=True) accepts, and which loads
+        # into either layout
+        return (collections.OrderedDict, (list(self.views().items()),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Flat:
+        return Flat([b.clone() for b in self.buffers], self.layout)
 
     def _detached_name(self) -> str | None:
         """The first parameter of the module this came from that is no longer a view
@@ -213,6 +222,15 @@ class Flat(Mapping[str, Tensor]):
                 "never see it. Call fg.params(model) again after moving or converting "
                 "the model, and build the state for it (tx.init or fg.load_state_dict)."
             )
+
+
+def _view(buffer: Tensor, offset: int, shape: tuple[int, ...]) -> Tensor:
+    """One entry of ``buffer``; along its last dimension, so that buffers stacked with
+    a leading dimension (per-sample gradients, an ensemble's params) keep working."""
+    if buffer.dim() == 1:
+        return buffer.narrow(0, offset, math.prod(shape)).view(shape)
+    lead = tuple(buffer.shape[:-1])
+    return buffer.narrow(-1, offset, math.prod(shape)).view(*lead, *shape)
 
 
 def pack(tree: Mapping[str, Tensor], layout: Layout) -> Flat:
@@ -308,13 +326,17 @@ def _unflatten_names(layout: Layout, children: Sequence[Any]) -> Any:
     return named  # non-tensor leaves (masks, labels): a plain dict of them
 
 
-optree.register_pytree_node(
-    Flat,
-    _flatten_names,  # type: ignore[arg-type]
-    _unflatten_names,  # type: ignore[arg-type]
-    path_entry_type=optree.MappingEntry,
-    namespace=NAMESPACE,
-)
+for _namespace in (NAMESPACE, getattr(optree.registry, "__GLOBAL_NAMESPACE", None)):
+    # also in optree's global namespace (a private name of optree's; without it a
+    # user's optree.tree_map sees a Flat as one leaf), as a user reads it: by name
+    if _namespace is not None:
+        optree.register_pytree_node(
+            Flat,
+            _flatten_names,  # type: ignore[arg-type]
+            _unflatten_names,  # type: ignore[arg-type]
+            path_entry_type=optree.MappingEntry,
+            namespace=_namespace,
+        )
 
 
 # -- from a module --------------------------------------------------------------
@@ -342,7 +364,10 @@ def flatten_module(model: nn.Module, named: dict[str, nn.Parameter]) -> Flat | N
         layout = Layout.for_tensors(data)
         with torch.no_grad():  # new buffers (cat copies, also of a single tensor)
             flat = Flat(
-                [torch.cat([data[n].reshape(-1) for n in layout.names_in(b)]) for b in range(len(layout.sizes))],
+                [
+                    torch.cat([data[n].reshape(-1) for n in layout.names_in(b)])
+                    for b in range(len(layout.sizes))
+                ],
                 layout,
             )
             for k, view in flat.views().items():

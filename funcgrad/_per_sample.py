@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from ._base import GradientTransformation, Params
+from ._flat import Flat
 from ._model import explain_buffer_write
 
 LossFn = Callable[..., Any]
@@ -95,6 +96,8 @@ def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[...,
     batched = vmapped_grads(loss_fn, has_aux)
 
     def fn(params: Params, *batch: Tensor) -> Any:
+        if isinstance(params, Flat):  # per view: per-sample gradients keyed by name
+            params = params.views()
         check_batch(batch, "fg.per_sample_grads")
         try:
             g, _, aux = batched(params, *batch)

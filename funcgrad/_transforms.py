@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -89,9 +90,7 @@ def per_group(
     return shardable(GradientTransformation(init, update))
 
 
-def _segments(
-    grads: Mapping[str, Tensor], groups: Groups
-) -> list[tuple[int, int, int]] | None:
+def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, int, int]] | None:
     """Each group's ``(buffer, start, stop)`` in flat gradients, sorted; None unless
     ``grads`` is a :class:`funcgrad.Flat` whose groups are disjoint gap-free runs."""
     if not isinstance(grads, Flat):
@@ -103,7 +102,7 @@ def _segments(
             return None
         segs.append(seg)
     segs.sort()
-    for (b0, _, stop), (b1, start, _) in zip(segs, segs[1:], strict=False):
+    for (b0, _, stop), (b1, start, _) in itertools.pairwise(segs):
         if b0 == b1 and start < stop:
             return None  # overlapping groups
     return segs
@@ -129,9 +128,7 @@ def _on_segments(
     return Flat(out, grads.layout)
 
 
-def _group_views(
-    grads: Mapping[str, Tensor], groups: Groups
-) -> dict[str, dict[str, Tensor]]:
+def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:
     """Each group as a dict; a group that is one segment of flat gradients is that
     segment alone (its statistics are the group's)."""
     segs = isinstance(grads, Flat)

@@ -270,7 +270,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         counters.clear()
         if mode == "save":
             params, state = train(m, tx, step, rank, world, steps=range(NAN_STEP + 1))
-            sd = {"params": params, "state": fg.state_dict(state)}
+            sd = {"params": dict(params), "state": fg.state_dict(state)}  # DCP: a plain dict
             torch.distributed.checkpoint.save(sd, checkpoint_id=os.path.join(out, "ckpt"))
             result["saved_state"] = _shard.full_tensors(fg.state_dict(state))
             params, state = train(
@@ -278,7 +278,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             )
         elif mode == "load":
             params = fg.params(m)
-            sd = {"params": params, "state": fg.state_dict(tx.init(params))}
+            sd = {"params": dict(params), "state": fg.state_dict(tx.init(params))}
             torch.distributed.checkpoint.load(sd, checkpoint_id=os.path.join(out, "ckpt"))
             state = fg.load_state_dict(tx, params, sd["state"])
             result["loaded_state"] = _shard.full_tensors(fg.state_dict(state))

@@ -120,7 +120,7 @@ def _meta_params(model):
 
 
 def _misspelled(model):
-    p = fg.params(model)
+    p = dict(fg.params(model))  # a plain dict: fg.params returns a read-only mapping
     p["wieght"] = p.pop("weight")
     return p
 
