@@ -101,7 +101,8 @@ def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, in
         if seg is None:
             return None
         segs.append(seg)
-    segs.sort()
+    # (sorted by an int key: dynamo sorts constant ints, not tuples)
+    segs.sort(key=lambda seg: seg[0] * (1 << 48) + seg[1])
     for (b0, _, stop), (b1, start, _) in itertools.pairwise(segs):
         if b0 == b1 and start < stop:
             return None  # overlapping groups

@@ -192,7 +192,7 @@ def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_pat
     m = sw.model()
     tx = sw.make_tx(m)
     params = fg.params(m)
-    sd = {"params": params, "state": fg.state_dict(tx.init(params))}
+    sd = {"params": dict(params), "state": fg.state_dict(tx.init(params))}
     dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"))
     state = fg.load_state_dict(tx, params, sd["state"])
     params, _ = single_process(range(sw.NAN_STEP + 1, sw.STEPS), params, state)
