@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from torch import Tensor, nn
 
-from ._model import params as _params
+from ._model import trainable_names
 
 
 class Groups(Mapping[str, tuple[str, ...]]):
@@ -148,7 +148,7 @@ def group_by_module(
         )
     if isinstance(model_or_params, nn.Module):
         model: nn.Module | None = model_or_params
-        names = list(_params(model_or_params))
+        names = trainable_names(model_or_params)  # (not fg.params: that moves them)
     elif isinstance(model_or_params, Mapping):
         model = None
         names = list(model_or_params)

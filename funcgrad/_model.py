@@ -35,7 +35,10 @@ def params(model: nn.Module) -> Params:
     buffers to update instead of one tensor per parameter (docs/flat-layout.md).
     A parameter that cannot be a view (channels_last, a tensor subclass such as a
     DTensor, sparse) keeps the whole model in the per-tensor layout, a plain dict.
-    Calling it again returns the same buffers. After re-allocating the module's
+    Calling it again returns the same buffers. The first call moves the parameters:
+    tensors taken from the module before it (``p.detach()``, ``p.data``) are no
+    longer the module's (``nn.Parameter`` objects, and optimizers holding them, are
+    unaffected). After re-allocating the module's
     parameters (``model.to(dtype)``, ``model.half()``, ``to_empty``), call it again:
     a step given the old params raises an error instead of training a copy.
 
@@ -51,6 +54,11 @@ def params(model: nn.Module) -> Params:
     check_floating(out, "fg.params")
     flat = flatten_module(model, named)
     return out if flat is None else flat  # type: ignore[return-value]
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """The keys :func:`params` gives, without moving the parameters into flat buffers."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
 def buffers(model: nn.Module) -> dict[str, Tensor]:
