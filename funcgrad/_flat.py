@@ -150,22 +150,28 @@ class Flat(Mapping[str, Tensor]):
 
     # The mapping: views made on first use (and kept, outside traced code).
     def views(self) -> dict[str, Tensor]:
-        """Every entry as a view of its buffer, in order (a new plain dict)."""
-        if self._views is not None:
+        """Every entry as a view of its buffer, in order (a new plain dict).
+
+        Eagerly the views are made once per object and kept (the same view objects
+        every time); traced, they are made from the buffers inside the graph, never
+        read from that cache (cached views would become extra, aliased graph inputs:
+        slower guards and runtime wrappers)."""
+        compiling = torch.compiler.is_compiling()
+        if self._views is not None and not compiling:
             return dict(self._views)
         out = {
             n: _view(self.buffers[b], o, s)
             for n, (b, o, s) in zip(self.layout.names, self.layout.entries, strict=True)
         }
-        if not torch.compiler.is_compiling():
+        if not compiling:
             self._views = out
         return dict(out)
 
     def __getitem__(self, name: str) -> Tensor:
-        if self._views is None and not torch.compiler.is_compiling():
-            self.views()  # made once per object: the same view objects every time
-        if self._views is not None:
-            return self._views[name]
+        if not torch.compiler.is_compiling():
+            if self._views is None:
+                self.views()
+            return self._views[name]  # type: ignore[index]
         i = self.layout.index.get(name) if isinstance(name, str) else None
         if i is None:
             raise KeyError(name)
