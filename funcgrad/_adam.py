@@ -25,7 +25,7 @@ second moment that underflows gives a finite update here and inf/NaN in torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 from torch import Tensor
@@ -247,9 +247,9 @@ def _adam(
         return AdamState(
             count=torch.zeros((), dtype=torch.int64, device=params_device(params)),
             # fg.params(model)'s flat layout gives flat moments (funcgrad/_flat.py)
-            mu=flat.zeros_like(params),  # type: ignore[arg-type]
-            nu=flat.zeros_like(params),  # type: ignore[arg-type]
-            nu_max=flat.zeros_like(params) if amsgrad else {},  # type: ignore[dict-item]
+            mu=flat.zeros_like(params),
+            nu=flat.zeros_like(params),
+            nu_max=flat.zeros_like(params) if amsgrad else {},
         )
 
     def update(
@@ -281,7 +281,8 @@ def _adam(
         lr_decay = lr_t * hp.weight_decay
         # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
         # dispatch per operation and dtype instead of one per tensor.
-        layout = state.mu.layout if isinstance(state.mu, flat.Flat) else None
+        mu: Any = state.mu
+        layout = mu.layout if isinstance(mu, flat.Flat) else None
         if layout is not None:  # flat moments: the same math over whole buffers
             grads = flat.pack(grads, layout)
             params = None if params is None else flat.pack(params, layout)
@@ -289,32 +290,27 @@ def _adam(
             *_leaves(grads, params, state.mu, state.nu, state.nu_max), lr_t
         )
         path = _multi_tensor_adam if multi else _single_tensor_adam
-        scalars = (-step_size, inv_bc2_sqrt, lr_decay, hp)
+        per_step: tuple[Any, ...] = (-step_size, inv_bc2_sqrt, lr_decay, hp)
         by_buffer = _per_buffer(decay, layout) if layout is not None else None
         if layout is None or by_buffer is None:  # per tensor (a mask splits a buffer: views)
-            views = layout is not None
-            args = (
-                (grads, state, params, decay)
-                if not views
-                else _as_views(grads, state, params, decay)
-            )
-            out = path(*args, *scalars)
-            if views:
-                out = tuple(flat.pack(o, layout) if o else o for o in out)  # type: ignore[assignment]
+            args = (grads, state, params, decay)
+            out: tuple[Any, ...] = path(*(args if layout is None else _as_views(*args)), *per_step)
+            if layout is not None:
+                out = tuple(flat.pack(o, layout) if o else o for o in out)
             return out[0], AdamState(count, *out[1:])
         wrapped = AdamState(
             state.count,
             *(flat.by_buffer(t) if t else {} for t in (state.mu, state.nu, state.nu_max)),
         )
         out = path(
-            flat.by_buffer(grads),  # type: ignore[arg-type]
+            flat.by_buffer(grads),
             wrapped,
-            None if params is None else flat.by_buffer(params),  # type: ignore[arg-type]
+            None if params is None else flat.by_buffer(params),
             by_buffer,
-            *scalars,
+            *per_step,
         )
         back = tuple(flat.from_buffers(o, layout) if o else {} for o in out)
-        return back[0], AdamState(count, *back[1:])  # type: ignore[arg-type]
+        return back[0], AdamState(count, *back[1:])
 
     return shardable(GradientTransformation(init, update))
 

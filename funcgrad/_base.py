@@ -161,8 +161,8 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
             f"{names_mismatch(params, updates)}. Pass the updates returned by "
             "tx.update(grads, state, params) for these same params."
         )
-    layout = params.layout if isinstance(params, Flat) else None
-    if layout is not None:  # flat params: the sum over each buffer, in the same layout
+    if isinstance(params, Flat):  # flat params: the sum over each buffer, same layout
+        layout = params.layout
         ps, us = list(params.buffers), updates_as_params(params, updates)
         if composing(*ps, *us):
             return Flat([p + u for p, u in zip(ps, us, strict=True)], layout)  # type: ignore[return-value]

@@ -81,7 +81,7 @@ def _span(t: Tensor) -> tuple[int, int]:
     flat buffer (``fg.params(model)``) are disjoint spans of one storage."""
     reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     start = t.storage_offset() * t.element_size()
-    return start, start + reach * t.element_size()
+    return int(start), int(start + reach * t.element_size())
 
 
 _HOST_READ = (
@@ -135,7 +135,8 @@ class Checks:
         if self.per_sample is not None:  # shapes can change between calls: always check
             check_batch(args, "fg.make_step(per_sample=...)")
         flat, spec = optree.tree_flatten(  # type: ignore[var-annotated]
-            (params, state, args[:1] if self.buffers else ()), namespace=BUFFERS
+            (params, state, args[:1] if self.buffers else ()),  # type: ignore[arg-type]
+            namespace=BUFFERS,
         )
         key = (spec, tuple(map(id, flat)) if self.donate else (), len(args))
         if key == self.last:

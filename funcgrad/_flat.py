@@ -239,7 +239,7 @@ def _view(buffer: Tensor, offset: int, shape: tuple[int, ...]) -> Tensor:
     return buffer.narrow(-1, offset, math.prod(shape)).view(*lead, *shape)
 
 
-def pack(tree: Mapping[str, Tensor], layout: Layout) -> Flat:
+def pack(tree: Mapping[str, Tensor], layout: Layout) -> Any:  # a Flat
     """``tree`` (any mapping with ``layout``'s names) in ``layout``: ``tree`` itself if
     it already is; otherwise one ``cat`` per buffer, each entry keeping its dtype
     where the buffer's entries share one (a float32 update of a bfloat16 parameter
@@ -253,7 +253,7 @@ def pack(tree: Mapping[str, Tensor], layout: Layout) -> Flat:
     return Flat(bufs, layout)
 
 
-def like(tree: Mapping[str, Tensor], layout: Layout | None) -> Mapping[str, Tensor]:
+def like(tree: Mapping[str, Tensor], layout: Layout | None) -> Any:  # Flat or tree's type
     """``tree`` packed into ``layout``, or ``tree`` unchanged when ``layout`` is None."""
     return tree if layout is None else pack(tree, layout)
 
@@ -274,17 +274,17 @@ def same_layout(*trees: object) -> Layout | None:
     return first if all(t.layout is first for t in trees) else None  # type: ignore[attr-defined]
 
 
-def by_buffer(tree: Flat) -> dict[str, Tensor]:
+def by_buffer(tree: Any) -> dict[str, Tensor]:  # a Flat
     """The buffers keyed ``"0"``, ``"1"``...: per-name code run on whole buffers."""
     return {str(i): b for i, b in enumerate(tree.buffers)}
 
 
-def from_buffers(out: Mapping[str, Tensor], layout: Layout) -> Flat:
+def from_buffers(out: Mapping[str, Tensor], layout: Layout) -> Any:  # a Flat
     """The inverse of :func:`by_buffer`."""
     return Flat([out[str(i)] for i in range(len(layout.sizes))], layout)
 
 
-def zeros_like(params: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+def zeros_like(params: Mapping[str, Tensor]) -> Any:  # Flat or dict
     """Zeros shaped like ``params``, in its layout (flat for a :class:`Flat`)."""
     if isinstance(params, Flat):
         return Flat([torch.zeros_like(b) for b in params.buffers], params.layout)
@@ -316,7 +316,7 @@ pytree.register_pytree_node(
 optree.register_pytree_node(
     Flat,
     _flatten_buffers,  # type: ignore[arg-type]
-    lambda layout, children: Flat(tuple(children), layout),  # optree: (metadata, children)
+    lambda layout, children: Flat(tuple(children), layout),  # type: ignore[arg-type]
     namespace=BUFFERS,
 )
 

@@ -269,11 +269,11 @@ def make_step(
         the updates in place of the new params. ``record=False`` (the eager step, where
         nothing differentiates through the update) runs ``tx`` without autograd, so its
         fast paths need not look for tensors that require grad (funcgrad/_compose.py)."""
-        layout = params.layout if isinstance(params, Flat) else None
+        flat = params if isinstance(params, Flat) else None
         # Flat params (fg.params(model)): the loss sees per-name views, and the
         # per-name gradients are gathered into the flat layout in one cat per buffer.
-        grads, loss, new_bufs, aux = grad_fn(params if layout is None else params.views(), *args)
-        grads = like(grads, layout)
+        grads, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
+        grads = like(grads, None if flat is None else flat.layout)
         with contextlib.nullcontext() if record else torch.no_grad():
             updates, new_state = tx.update(grads, state, params)
             new: tuple[Any, ...] = (

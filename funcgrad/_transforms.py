@@ -71,7 +71,7 @@ def per_group(
         if segments is not None and _rb.reads_input_only(rule):
             # Flat gradients: funcgrad's rules are elementwise but for statistics over
             # the whole group, so each group is one segment of a buffer.
-            return _on_segments(grads, segments, rule), state  # type: ignore[arg-type]
+            return _on_segments(grads, segments, rule), state  # type: ignore[arg-type,return-value]
 
         def apply_all() -> Params:
             out = dict(grads)
