@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -95,17 +94,21 @@ def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, in
     ``grads`` is a :class:`funcgrad.Flat` whose groups are disjoint gap-free runs."""
     if not isinstance(grads, Flat):
         return None
-    segs = []
+    layout = grads.layout
+    first: dict[str, tuple[int, int, int]] = {}
     for names in groups.values():
-        seg = grads.layout.segment(names)
+        seg = layout.segment(names)
         if seg is None:
             return None
-        segs.append(seg)
-    # (sorted by an int key: dynamo sorts constant ints, not tuples)
-    segs.sort(key=lambda seg: seg[0] * (1 << 48) + seg[1])
-    for (b0, _, stop), (b1, start, _) in itertools.pairwise(segs):
-        if b0 == b1 and start < stop:
+        first[names[0]] = seg
+    # In layout order (each buffer's segments by increasing offset), with no sort:
+    # traced, the offsets may be symbolic ints, which dynamo cannot sort.
+    segs = [first[n] for n in layout.names if n in first]
+    stops: dict[int, int] = {}
+    for b, start, stop in segs:
+        if start < stops.get(b, 0):
             return None  # overlapping groups
+        stops[b] = stop
     return segs
 
 
