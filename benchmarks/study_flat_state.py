@@ -246,7 +246,8 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for layers in args.layers:
         name = "MLP 256-512-512-512-10" if layers == 0 else f"{layers} x Linear(64, 64)"
-        diff = check(layers)
+        # (the hand-written flat variants are checked against funcgrad's step when run)
+        diff = check(layers) if any(v.startswith("flat") for v in args.variants) else 0.0
         if diff > 1e-5:
             raise SystemExit(f"{name}: the flat steps differ from funcgrad's by {diff:.1e}")
         best: dict[str, dict[str, float]] = {}

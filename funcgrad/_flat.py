@@ -37,6 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from ._scratch import BIG, borrowing
 from ._tree import BUFFERS, NAMESPACE
 
 
@@ -248,9 +249,24 @@ def pack(tree: Mapping[str, Tensor], layout: Layout) -> Any:  # a Flat
         return tree
     bufs = []
     for b in range(len(layout.sizes)):
-        parts = [tree[n].reshape(-1) for n in layout.names_in(b)]
-        bufs.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+        bufs.append(cat([tree[n].reshape(-1) for n in layout.names_in(b)]))
     return Flat(bufs, layout)
+
+
+def cat(parts: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` of 1-D tensors (``parts[0]`` alone if it is the only one).
+
+    In the eager donated step (:func:`funcgrad._scratch.lending`) a large CPU result is
+    written into a buffer kept from the previous step: a fresh one is a fresh ``mmap``
+    whose pages all fault on first write (funcgrad/_scratch.py)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    scratch = borrowing(first)
+    n = sum(p.shape[-1] for p in parts)
+    if scratch is None or n < BIG or any(p.dtype != first.dtype or p.dim() != 1 for p in parts):
+        return torch.cat(parts, dim=-1)
+    return torch.cat(parts, out=scratch.empty((n,), first.dtype, first.device))
 
 
 def like(tree: Mapping[str, Tensor], layout: Layout | None) -> Any:  # Flat or tree's type

@@ -34,9 +34,13 @@ class Scratch:
 
     def take(self, like: Tensor, dtype: torch.dtype) -> Tensor:
         """An uninitialized tensor shaped like ``like``, of ``dtype``."""
-        key = (tuple(like.shape), dtype, like.device)
+        return self.empty(tuple(like.shape), dtype, like.device)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialized tensor of ``shape``, ``dtype`` on ``device``."""
+        key = (shape, dtype, device)
         pool = self.free.get(key)
-        t = pool.pop() if pool else torch.empty(like.shape, dtype=dtype, device=like.device)
+        t = pool.pop() if pool else torch.empty(shape, dtype=dtype, device=device)
         self.lent.append(t)
         return t
 

@@ -18,7 +18,7 @@ from ._base import (
     shardable,
     stateless,
 )
-from ._flat import Flat, by_buffer, from_buffers
+from ._flat import Flat, by_buffer, cat, from_buffers
 from ._groups import Groups, as_groups
 from ._rule_base import apply_rule, check_is_rule, group_norm, group_size, zero_count
 from .rules import all_zero, any_nonfinite, clip_norm
@@ -128,7 +128,7 @@ def _on_segments(
             at = stop
         if at < buf.numel():
             pieces.append(buf[at:])
-        out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        out.append(cat(pieces))
     return Flat(out, grads.layout)
 
 
