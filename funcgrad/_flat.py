@@ -253,7 +253,7 @@ def pack(tree: Mapping[str, Tensor], layout: Layout) -> Any:  # a Flat
     return Flat(bufs, layout)
 
 
-def cat(parts: Sequence[Tensor]) -> Tensor:
+def cat(parts: list[Tensor]) -> Tensor:
     """``torch.cat(parts)`` of 1-D tensors (``parts[0]`` alone if it is the only one).
 
     In the eager donated step (:func:`funcgrad._scratch.lending`) a large CPU result is
