@@ -279,13 +279,13 @@ def _adam(
         scalars = _bias_scalars(count, lr_t, hp.b1, hp.b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
         lr_decay = lr_t * hp.weight_decay
-        # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
-        # dispatch per operation and dtype instead of one per tensor.
         mu: Any = state.mu
         layout = mu.layout if isinstance(mu, flat.Flat) else None
         if layout is not None:  # flat moments: the same math over whole buffers
             grads = flat.pack(grads, layout)
             params = None if params is None else flat.pack(params, layout)
+        # Eagerly: the same operations on lists of tensors (torch._foreach_*), one
+        # dispatch per operation and dtype instead of one per tensor.
         multi = foreach_ok and not composing(
             *_leaves(grads, params, state.mu, state.nu, state.nu_max), lr_t
         )

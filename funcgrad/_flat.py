@@ -7,12 +7,14 @@ A user reads it as a dict (``params["fc1.weight"]``, ``state.mu["fc1.weight"]``,
 checkpoints keyed by name, as before); the code that runs every step sees a few
 buffers instead of one tensor per parameter:
 
-- as a pytree (``torch.utils._pytree``, and optree's default namespace) its leaves
-  are the buffers, so a compiled step has a few inputs and a ``tree_map`` over it
-  is one elementwise op per buffer;
-- in optree's ``funcgrad`` namespace (checks, messages, checkpoints) its children
-  are the per-name views, so paths read ``mu['fc1.weight']`` and a checkpoint has
-  today's names and shapes (loaded back into the flat layout).
+- as a pytree in ``torch.utils._pytree`` (and optree's ``funcgrad.buffers``
+  namespace, which funcgrad's commit and step checks use) its leaves are the
+  buffers, so a compiled step has a few inputs and a ``tree_map`` over it is one
+  elementwise op per buffer;
+- in optree's ``funcgrad`` namespace (checks, messages, checkpoints) and its global
+  one (a user's ``optree.tree_map``) its children are the per-name views, so paths
+  read ``mu['fc1.weight']`` and a checkpoint has today's names and shapes (loaded
+  back into the flat layout).
 
 Why: ``torch.compile`` generates and compiles code per tensor, so a step over 40
 small layers took 4.4x the gradients' own compile with one tensor per parameter
@@ -48,14 +50,13 @@ class Layout:
     compiled step guarding on it never recompiles for an equal one.
     """
 
-    __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes", "spans")
+    __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes")
     _interned: ClassVar[dict[tuple[Any, ...], Layout]] = {}
 
     names: tuple[str, ...]
     entries: tuple[tuple[int, int, tuple[int, ...]], ...]
     sizes: tuple[int, ...]
     index: dict[str, int]
-    spans: tuple[tuple[int, int], ...]
     members: tuple[tuple[str, ...], ...]
 
     @classmethod
@@ -74,7 +75,6 @@ class Layout:
             sizes[b] = max(sizes[b], o + math.prod(s))
         self.sizes = tuple(sizes)
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.spans = tuple((o, math.prod(s)) for _, o, s in self.entries)
         self.members = tuple(
             tuple(n for n, (i, _, _) in zip(self.names, self.entries, strict=True) if i == b)
             for b in range(count)
@@ -282,14 +282,6 @@ def layout_of(*trees: object) -> Layout | None:
     return None
 
 
-def same_layout(*trees: object) -> Layout | None:
-    """The shared layout if every tree is a :class:`Flat` of one layout, else None."""
-    if not trees or not all(isinstance(t, Flat) for t in trees):
-        return None
-    first = trees[0].layout  # type: ignore[attr-defined]
-    return first if all(t.layout is first for t in trees) else None  # type: ignore[attr-defined]
-
-
 def by_buffer(tree: Any) -> dict[str, Tensor]:  # a Flat
     """The buffers keyed ``"0"``, ``"1"``...: per-name code run on whole buffers."""
     return {str(i): b for i, b in enumerate(tree.buffers)}
@@ -332,7 +324,7 @@ pytree.register_pytree_node(
 optree.register_pytree_node(
     Flat,
     _flatten_buffers,  # type: ignore[arg-type]
-    lambda layout, children: Flat(tuple(children), layout),  # type: ignore[arg-type]
+    lambda layout, children: _unflatten_buffers(children, layout),  # type: ignore[arg-type]
     namespace=BUFFERS,
 )
 
@@ -371,14 +363,15 @@ def _flattenable(p: Tensor) -> bool:
     return type(p) in (nn.Parameter, Tensor) and p.layout == torch.strided and p.is_contiguous()
 
 
-def flatten_module(model: nn.Module, named: dict[str, nn.Parameter]) -> Flat | None:
-    """Move ``named`` (the trainable parameters of ``model``) into flat buffers, the
-    parameters becoming views of them; None where the flat layout cannot hold (a
-    parameter that is not a plain contiguous dense tensor: see :func:`_flattenable`),
-    and the caller keeps one tensor per parameter."""
+def flatten_module(
+    model: nn.Module, named: dict[str, nn.Parameter], data: dict[str, Tensor]
+) -> Flat | None:
+    """Move ``named`` (the trainable parameters of ``model``; ``data``: the same,
+    detached) into flat buffers, the parameters becoming views of them; None where
+    the flat layout cannot hold (a parameter that is not a plain contiguous dense
+    tensor: see :func:`_flattenable`), and the caller keeps one tensor per parameter."""
     if not named or not all(_flattenable(p) for p in named.values()):
         return None
-    data = {k: p.detach() for k, p in named.items()}
     flat = _BUILT.get(model)
     if flat is not None and (list(flat) != list(named) or not flat.attached()):
         flat = None

@@ -52,7 +52,7 @@ def params(model: nn.Module) -> Params:
     named = {name: p for name, p in model.named_parameters() if p.requires_grad}
     out = {name: p.detach() for name, p in named.items()}
     check_floating(out, "fg.params")
-    flat = flatten_module(model, named)
+    flat = flatten_module(model, named, out)
     return out if flat is None else flat  # type: ignore[return-value]
 
 

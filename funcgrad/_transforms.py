@@ -66,8 +66,8 @@ def per_group(
         groups.check_against(grads, "fg.per_group.update")
         ranks = _rb.shards()
 
-        segments = _segments(grads, groups) if ranks is None else None
-        if segments is not None and _rb.reads_input_only(rule):
+        segments = _segments(grads, groups) if _rb.reads_input_only(rule) else None
+        if segments is not None:
             # Flat gradients: funcgrad's rules are elementwise but for statistics over
             # the whole group, so each group is one segment of a buffer.
             return _on_segments(grads, segments, rule), state  # type: ignore[arg-type,return-value]
@@ -90,9 +90,10 @@ def per_group(
 
 
 def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, int, int]] | None:
-    """Each group's ``(buffer, start, stop)`` in flat gradients, sorted; None unless
-    ``grads`` is a :class:`funcgrad.Flat` whose groups are disjoint gap-free runs."""
-    if not isinstance(grads, Flat):
+    """Each group's ``(buffer, start, stop)`` in flat gradients, in layout order; None
+    unless ``grads`` is a :class:`funcgrad.Flat` whose groups are disjoint gap-free
+    runs, outside ``fg.sharded`` (whose statistics combine per name)."""
+    if not isinstance(grads, Flat) or _rb.shards() is not None:
         return None
     layout = grads.layout
     first: dict[str, tuple[int, int, int]] = {}
@@ -134,8 +135,8 @@ def _on_segments(
 
 def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:
     """Each group as a dict; a group that is one segment of flat gradients is that
-    segment alone (its statistics are the group's)."""
-    segs = isinstance(grads, Flat)
+    segment alone (its statistics are the group's), outside ``fg.sharded``."""
+    segs = isinstance(grads, Flat) and _rb.shards() is None
     out = {}
     for g, names in groups.items():
         seg = grads.layout.segment(names) if segs else None  # type: ignore[attr-defined]
@@ -212,12 +213,9 @@ def monitor(
         grads: Params, state: State, params: Params | None = None
     ) -> tuple[Params, MonitorState]:
         groups.check_against(grads, "fg.monitor.update")
-        if _rb.shards() is None:
-            new = {g: compute(group) for g, group in _group_views(grads, groups).items()}
-        else:
-            new = _rb.batched(
-                lambda: {g: compute({n: grads[n] for n in names}) for g, names in groups.items()}
-            )
+        new = _rb.batched(
+            lambda: {g: compute(group) for g, group in _group_views(grads, groups).items()}
+        )
         return grads, MonitorState(new)
 
     return shardable(GradientTransformation(init, update))
