@@ -24,8 +24,8 @@ second moment that underflows gives a finite update here and inf/NaN in torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Union
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,22 +39,21 @@ from ._base import (
     params_device,
     shardable,
 )
-from ._compose import composing, plain_value
+from ._compose import composing
 from ._fusion import realize
+from ._hparams import (
+    HALF,
+    DecayMask,
+    Hyper,
+    LearningRate,
+    as64,
+    check_lr,
+    check_number,
+    lr_at,
+    mask_resolver,
+)
 from ._invariants import invariants
 from ._scratch import BIG, Scratch, borrowing
-from ._tree import names_mismatch
-
-LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
-"""A float, a 0-d tensor (edit it in place to change lr without recompiling; use
-float64 to match torch.optim exactly, since float32 cannot hold 0.02), or a schedule
-``count -> lr`` where ``count`` is the number of steps already taken, as a float64
-0-d tensor (0 on the first step, like ``LambdaLR``'s epoch)."""
-
-
-Hyper = Union[float, Tensor]
-"""A hyperparameter: a float, or a 0-d tensor (learnable: gradients flow into it
-when the update is differentiated, see funcgrad/_compose.py)."""
 
 
 class AdamState(NamedTuple):
@@ -79,47 +78,13 @@ invariants(
 )
 
 
-def _as64(x: Hyper, like: Tensor) -> Tensor:
-    """A hyperparameter as a float64 0-d tensor beside ``like`` (a float becomes a
-    constant; a tensor keeps its autograd history)."""
-    if isinstance(x, Tensor):
-        return x.to(device=like.device, dtype=torch.float64)
-    return torch.tensor(x, dtype=torch.float64, device=like.device)
-
-
 def _bias_scalars(count: Tensor, lr: Tensor, b1: Hyper, b2: Hyper) -> Tensor:
     """``[lr / (1 - b1^t), 1 / sqrt(1 - b2^t)]`` in float64 for ``t = count``, as torch
     computes them in Python doubles."""
     t = count.to(torch.float64)
-    bc1 = 1.0 - torch.pow(_as64(b1, t), t)
-    bc2 = 1.0 - torch.pow(_as64(b2, t), t)
+    bc1 = 1.0 - torch.pow(as64(b1, t), t)
+    bc2 = 1.0 - torch.pow(as64(b2, t), t)
     return realize(torch.stack([lr / bc1, 1.0 / torch.sqrt(bc2)]))
-
-
-def _check_number(
-    x: Hyper, what: str, ok: Callable[[float], bool], message: str, short: str = ""
-) -> None:
-    """Validate a float or 0-d tensor hyperparameter; a tensor's value is checked
-    where it can be read (not while compiled or under ``vmap``)."""
-    if isinstance(x, Tensor):
-        short = short or what
-        if x.dim() != 0:
-            raise ValueError(
-                f"Invalid {what}: a tensor {short} must be 0-d, got shape {tuple(x.shape)}."
-            )
-        if not torch.is_floating_point(x):
-            raise TypeError(
-                f"Invalid {what}: a tensor {short} must be floating point (float64 "
-                f"matches torch.optim exactly), got {x.dtype}."
-            )
-        value = plain_value(x)
-        if value is not None and not ok(value):
-            raise ValueError(message.format(value))
-        return
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"Invalid {what}: {x!r}. Use a float or a 0-d tensor.")
-    if not ok(x):
-        raise ValueError(message.format(x))
 
 
 def _check_hparams(
@@ -129,79 +94,23 @@ def _check_hparams(
     weight_decay: Hyper,
     eps_root: float,
 ) -> None:
-    if isinstance(lr, Tensor):
-        _check_number(lr, "learning rate", lambda v: v >= 0.0, "Invalid learning rate: {}", "lr")
-    elif callable(lr):
-        pass
-    elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise TypeError(
-            f"Invalid learning rate: {lr!r}. Use a float, a 0-d tensor, or a schedule "
-            "count -> lr (e.g. fg.cosine_decay(1e-3, 1000))."
-        )
-    elif not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_lr(lr)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2).")
     for i, b in enumerate(betas):
-        _check_number(
+        check_number(
             b,
             f"beta parameter at index {i}",
             lambda v: 0.0 <= v < 1.0,
             f"Invalid beta parameter at index {i}: {{}}",
             "beta",
         )
-    _check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
-    _check_number(
+    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
+    check_number(
         weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
     )
     if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or not eps_root >= 0:
         raise ValueError(f"Invalid eps_root value: {eps_root!r}; expected a float >= 0.")
-
-
-_HALF = (torch.float16, torch.bfloat16)
-
-DecayMask = Union[Mapping[str, bool], Callable[[str, Tensor], bool], None]
-"""Where weight decay applies: ``None`` (everywhere), a dict ``name -> bool`` naming
-every parameter, or a predicate ``(name, tensor) -> bool`` (e.g. ``lambda n, p:
-p.ndim > 1``: no decay on biases and norm weights)."""
-
-
-def _mask_resolver(mask: DecayMask, who: str) -> Callable[[Params], dict[str, bool]]:
-    """Check ``mask`` now; return a function ``params -> {name: decays}``."""
-    if mask is None:
-        return lambda params: dict.fromkeys(params, True)
-    if isinstance(mask, Mapping):
-        bad = {k: v for k, v in mask.items() if not isinstance(v, bool)}
-        if bad:
-            raise TypeError(f"{who}: mask values must be bool, got {bad!r}.")
-
-        def from_dict(params: Params) -> dict[str, bool]:
-            if mask.keys() != params.keys():
-                raise KeyError(
-                    f"{who}: the mask must name every parameter exactly; it has "
-                    f"{names_mismatch(params, mask)}. Build it from fg.params(model), or "
-                    "pass a predicate (name, tensor) -> bool."
-                )
-            return {k: mask[k] for k in params}
-
-        return from_dict
-    if callable(mask):
-
-        def from_predicate(params: Params) -> dict[str, bool]:
-            out = {k: mask(k, p) for k, p in params.items()}
-            bad = {k: type(v).__name__ for k, v in out.items() if not isinstance(v, bool)}
-            if bad:
-                raise TypeError(
-                    f"{who}: the mask predicate must return a Python bool for each "
-                    f"parameter (decided from names and shapes, not values); got {bad}."
-                )
-            return out
-
-        return from_predicate
-    raise TypeError(
-        f"{who}: mask must be None, a dict name -> bool or a predicate (name, tensor) -> "
-        f"bool, got {type(mask).__name__}."
-    )
 
 
 class _Hyper(NamedTuple):
@@ -239,7 +148,7 @@ def _adam(
     foreach_ok = eps_root == 0.0 and not any(
         isinstance(x, Tensor) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay)
     )
-    decays = _mask_resolver(mask, f"fg.{name}")
+    decays = mask_resolver(mask, f"fg.{name}")
 
     def init(params: Params) -> AdamState:
         check_floating(params, f"fg.{name}.init")
@@ -272,10 +181,7 @@ def _adam(
         count = state.count + 1
         # Schedules see the steps taken so far as a float64 0-d tensor, so that
         # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
-        lr_t = (
-            lr(state.count.to(torch.float64)) if callable(lr) and not isinstance(lr, Tensor) else lr
-        )
-        lr_t = _as64(lr_t, count)
+        lr_t = lr_at(lr, state.count)
         scalars = _bias_scalars(count, lr_t, hp.b1, hp.b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
         lr_decay = lr_t * hp.weight_decay
@@ -368,7 +274,7 @@ def _single_tensor_adam(
         # torch's "opmath": half-precision tensors are computed in float32 and
         # only stored in their own dtype (g * g overflows float16 at |g| > 256).
         sdt = state.mu[k].dtype
-        dt = torch.float32 if sdt in _HALF else sdt
+        dt = torch.float32 if sdt in HALF else sdt
         if dt not in per_dtype:
             per_dtype[dt] = (neg_step64.to(dt), inv_bc2_64.to(dt), lr_decay64.to(dt))
         neg_step, inv_bc2, lr_wd = per_dtype[dt]
@@ -451,7 +357,7 @@ def _multi_tensor_adam(
         if hp.amsgrad:
             nu_max[k] = out[3]
     for sdt, keys in by_dtype.items():
-        dt = torch.float32 if sdt in _HALF else sdt
+        dt = torch.float32 if sdt in HALF else sdt
         neg_step, inv_bc2, lr_decay = _to(neg_step64, dt), _to(inv_bc2_64, dt), _to(lr_decay64, dt)
         g = [_to(grads[k], dt) for k in keys]
         if hp.maximize:
@@ -508,7 +414,7 @@ def _borrowed_adam(
     writing into a buffer borrowed from ``scratch`` (``out=``) instead of a new one:
     ``(update, mu, nu[, nu_max])``."""
     sdt = state.mu[k].dtype
-    dt = torch.float32 if sdt in _HALF else sdt
+    dt = torch.float32 if sdt in HALF else sdt
     b1, b2, eps, l2_wd = (float(x) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay))
     g = _to(grad, dt)
     if hp.maximize:
