@@ -70,6 +70,8 @@ from ._shard import sharded as sharded
 from ._state import load_state_dict as load_state_dict
 from ._state import state_dict as state_dict
 from ._step import make_step as make_step
+from ._torch_state import state_from_torch as state_from_torch
+from ._torch_state import state_to_torch as state_to_torch
 from ._transforms import MonitorState as MonitorState
 from ._transforms import clip_by_global_norm as clip_by_global_norm
 from ._transforms import monitor as monitor

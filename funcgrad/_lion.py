@@ -50,9 +50,9 @@ def lion(
         >>> import torch, funcgrad as fg
         >>> tx = fg.lion(lr=0.1)
         >>> params = {"w": torch.tensor([1.0, 1.0, 1.0])}
-        >>> updates, _ = tx.update({"w": torch.tensor([3.0, -0.5, 0.0])}, tx.init(params))
+        >>> updates, _ = tx.update({"w": torch.tensor([3.0, -0.5, 1e-3])}, tx.init(params))
         >>> updates
-        {'w': tensor([-0.1000,  0.1000,  0.0000])}
+        {'w': tensor([-0.1000,  0.1000, -0.1000])}
     """
     check_lr(lr)
     for i, (b, n) in enumerate(((b1, "b1"), (b2, "b2"))):

@@ -102,6 +102,22 @@ def make_tx(m: nn.Module, amsgrad: bool = False) -> fg.GradientTransformation:
     )
 
 
+def optimizer_txs(m: nn.Module) -> dict[str, fg.GradientTransformation]:
+    """One of each optimizer of #24, options on, each inside skip_if_nonfinite (the
+    NaN batch). Adafactor sums its norms and column means across ranks; Muon gathers
+    each matrix whole (fc3.weight has one row: rank 1 of 2 holds none of it)."""
+    labels = {n: "muon" if p.ndim == 2 else "adamw" for n, p in m.named_parameters()}
+    txs = {
+        "sgd": fg.sgd(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
+        "rmsprop": fg.rmsprop(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1),
+        "adagrad": fg.adagrad(lr=0.1, lr_decay=0.1, initial_accumulator_value=0.1),
+        "lion": fg.lion(lr=0.01, weight_decay=0.1),
+        "adafactor": fg.adafactor(lr=0.05, weight_decay=0.1),
+        "muon": fg.partition({"muon": fg.muon(lr=0.02), "adamw": fg.adamw(lr=0.01)}, labels),
+    }
+    return {k: fg.skip_if_nonfinite(tx) for k, tx in txs.items()}
+
+
 def loss_fn(m: nn.Module):
     def loss(p, x, y):
         return ((fg.call(m, p, x) - y) ** 2).mean()
@@ -246,6 +262,16 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 step = fg.make_step(loss_fn(m), tx, donate=True)
                 params, _ = train(m, tx, step, rank, world)
                 result[where] = {k: v.clone() for k, v in params.items()}
+            torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
+            dist.barrier()
+            return
+        if mode == "optimizers":  # every optimizer of #24 under fg.sharded, eager
+            for name in optimizer_txs(model()):
+                m = model()
+                tx = fg.sharded(optimizer_txs(m)[name])
+                step = fg.make_step(loss_fn(m), tx, donate=True)
+                params, _ = train(m, tx, step, rank, world)
+                result[name] = {k: v.clone() for k, v in params.items()}
             torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
             dist.barrier()
             return
