@@ -345,6 +345,13 @@ TRANSFORMS = {
     "accumulate": lambda: fg.accumulate(fg.adam(lr=0.1), every=2),
     "skip_if_nonfinite": lambda: fg.skip_if_nonfinite(fg.adamw(lr=0.1)),
     "add_noise": lambda: fg.chain(fg.add_noise(0.1, seed=3), fg.adam(lr=0.1)),
+    "sgd-nesterov-l2": lambda: fg.sgd(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.2),
+    "rmsprop-centered-momentum": lambda: fg.rmsprop(
+        lr=0.01, momentum=0.5, centered=True, weight_decay=0.1
+    ),
+    "adagrad-decay": lambda: fg.adagrad(lr=0.1, lr_decay=0.2, initial_accumulator_value=0.3),
+    "lion-mask": lambda: fg.lion(lr=0.1, weight_decay=0.3, mask={"a": True, "b": False}),
+    "adafactor": lambda: fg.adafactor(lr=0.05, weight_decay=0.1, maximize=True),
     "partition": lambda: fg.partition(
         {
             "x": fg.adam(lr=0.1),

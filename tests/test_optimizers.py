@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import copy
 import itertools
-import re
 
 import pytest
-import shard_workers as sw
 import torch
-from conftest import assert_one_graph, assert_trees_close, check_compiles
 from torch import nn
-from torch._dynamo.utils import counters
 
 import funcgrad as fg
 
@@ -194,7 +190,9 @@ def test_lion_equal_to_the_paper(kw, layout):
         updates, state = tx.update(g, state, params)
         params = fg.apply_updates(params, updates)
     decays = dict.fromkeys(start, True)
-    want = lion_reference(start, grads, [0.01] * STEPS, kw["b1"], kw["b2"], kw["weight_decay"], decays)
+    want = lion_reference(
+        start, grads, [0.01] * STEPS, kw["b1"], kw["b2"], kw["weight_decay"], decays
+    )
     assert_params_close(params, want)
 
 
