@@ -145,7 +145,7 @@ def _check_twin(node: Any, optimizer: torch.optim.Optimizer, who: str) -> _Twin:
         names = " or ".join(f"torch.optim.{c.__name__}" for c in twin.classes)
         raise TypeError(
             f"{who}: tx keeps an {type(node).__name__}, whose torch.optim twin is {names}; "
-            f"got a {type(optimizer).__name__}. Build tx with the same optimizer."
+            f"got {type(optimizer).__name__}. Build tx with the same optimizer."
         )
     on = {f for f in node._fields[1:] if getattr(node, f)}
     if twin.fields is not None:

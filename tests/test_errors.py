@@ -61,6 +61,25 @@ def _step(**kw):
     return fg.make_step(loss, tx, **kw), p, tx.init(p)
 
 
+def _sgd_pair(momentum_torch=0.0, momentum_fg=0.0):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum_torch)
+    return fg.sgd(lr=0.1, momentum=momentum_fg), opt, fg.params(model)
+
+
+def _from_torch_count_zero():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    fg.state_from_torch(fg.sgd(lr=0.1, momentum=0.9), opt, fg.params(model), count=0)
+
+
+def _to_torch_other_state():
+    tx, opt, params = _sgd_pair()
+    fg.state_to_torch(tx, fg.adam().init(params), opt, params)
+
+
 def _per_sample_no_batch():
     step, p, s = _step(per_sample=fg.clip_by_global_norm(1.0))
     step(p, s, torch.tensor(1.0))
@@ -146,6 +165,73 @@ def _python_if_in_a_rule():
 
 
 CASES = [
+    (
+        "Nesterov momentum requires a momentum and zero dampening",
+        ValueError,
+        lambda: fg.sgd(nesterov=True),
+    ),
+    ("Invalid momentum value: -0.5", ValueError, lambda: fg.sgd(momentum=-0.5)),
+    ("Invalid alpha value: -1.0", ValueError, lambda: fg.rmsprop(alpha=-1.0)),
+    ("Invalid lr_decay value: -1.0", ValueError, lambda: fg.adagrad(lr_decay=-1.0)),
+    (
+        "Invalid initial_accumulator_value value: -1.0",
+        ValueError,
+        lambda: fg.adagrad(initial_accumulator_value=-1.0),
+    ),
+    (
+        "Invalid eps: 0.001; fg.adafactor takes a pair (eps1, eps2)",
+        ValueError,
+        lambda: fg.adafactor(eps=1e-3),
+    ),
+    ("Invalid eps[1]: None; expected a float.", TypeError, lambda: fg.adafactor(eps=(None, None))),
+    ("beta2_decay should be <= 0 but is: 0.5", ValueError, lambda: fg.adafactor(beta2_decay=0.5)),
+    ("Clipping threshold d should be >= 1 but is: 0.5", ValueError, lambda: fg.adafactor(d=0.5)),
+    (
+        "fg.muon: {'bias': (1,)} are not 2-D; Muon orthogonalizes weight matrices only",
+        ValueError,
+        lambda: fg.muon().init(fg.params(nn.Linear(2, 1))),
+    ),
+    (
+        "Adjust learning rate function sqrt is not supported",
+        ValueError,
+        lambda: fg.muon(adjust_lr_fn="sqrt"),
+    ),
+    (
+        "Invalid ns_steps: 100; expected an int in [0, 100).",
+        ValueError,
+        lambda: fg.muon(ns_steps=100),
+    ),
+    (
+        "fg.sgd.update: the state does not fit these gradients",
+        KeyError,
+        lambda: fg.sgd(momentum=0.9).update(P, fg.sgd().init(P)),
+    ),
+    (
+        "fg.rmsprop needs the parameters (for its weight decay or scale)",
+        ValueError,
+        lambda: fg.rmsprop(weight_decay=0.1).update(P, fg.rmsprop().init(P)),
+    ),
+    (
+        "fg.state_from_torch: expected exactly one optimizer state with a torch.optim twin",
+        TypeError,
+        lambda: fg.state_from_torch(fg.lion(), *_sgd_pair()[1:]),
+    ),
+    (
+        "fg.state_from_torch: tx keeps an AdamState, whose torch.optim twin is torch.optim.Adam or torch.optim.AdamW; got SGD.",
+        TypeError,
+        lambda: fg.state_from_torch(fg.adam(), *_sgd_pair()[1:]),
+    ),
+    (
+        "fg.state_from_torch: the torch optimizer's options keep state ['momentum_buffer'] but tx keeps []",
+        ValueError,
+        lambda: fg.state_from_torch(*_sgd_pair(momentum_torch=0.9)),
+    ),
+    ("fg.state_from_torch: count=0; expected an int >= 1", ValueError, _from_torch_count_zero),
+    (
+        "fg.state_to_torch: the state holds an AdamState but tx keeps an SGDState",
+        TypeError,
+        _to_torch_other_state,
+    ),
     (
         "fg.sharded: wraps a GradientTransformation, got Rule.",
         TypeError,
