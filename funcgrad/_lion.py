@@ -74,13 +74,13 @@ def lion(
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
-        g, p, slots, s = e.g, e.p, e.slots, e.s
-        mu = slots["mu"]
-        u = torch.sign(s["c1"] * g + s["b1"] * mu)
+        g, p, s, o = e.g, e.p, e.s, e.o
+        mu = e.slots["mu"]
+        u = o.sign(o.add(o.mul(s["c1"], g), o.mul(s["b1"], mu)))
         if e.decays:
             assert p is not None
-            u = u + s["wd"] * p
-        return u * s["neg_lr"], {"mu": s["c2"] * g + s["b2"] * mu}
+            u = o.add(u, o.mul(s["wd"], p))
+        return o.mul(u, s["neg_lr"]), {"mu": o.add(o.mul(s["c2"], g), o.mul(s["b2"], mu))}
 
     spec = Spec(
         who="fg.lion",

@@ -18,11 +18,15 @@ without in-place ops. :func:`build` turns it into a ``GradientTransformation`` t
 There is one code path: the eager step is the traced math, so it is also what runs
 under ``torch.func`` transforms and differentiating autograd (no fast path to
 refuse: see funcgrad/_compose.py), bit for bit what ``torch.compile`` traces before
-inductor fuses it.
+inductor fuses it. Kernels take their elementwise operations from :class:`Ops`:
+inside the eager donated step each large result is written into a buffer kept from
+the previous step (``out=``) instead of a fresh allocation, whose pages would all
+fault on first write (funcgrad/_scratch.py) - the same operations, the same values.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -31,18 +35,76 @@ from torch import Tensor
 
 from . import _flat as flat
 from ._base import GradientTransformation, Params, check_floating, check_state, params_device
+from ._compose import composing
 from ._hparams import DecayMask, LearningRate, compute_dtype, lr_at, mask_resolver
+from ._scratch import BIG, Scratch, borrowing
 
 Scalars = dict[str, Tensor]
 """The step's scalars by name, 0-d tensors (float64 from :attr:`Spec.scalars`, cast
 to each compute dtype once before the kernel sees them)."""
 
 
+class Ops:
+    """The elementwise operations of a kernel, each ``torch``'s own; with a scratch
+    (the eager donated step), a result of at least ``BIG`` entries is written into a
+    borrowed buffer (``out=``) instead of a new one. Same operations, same values."""
+
+    def __init__(self, scratch: Scratch | None = None) -> None:
+        self.scratch = scratch
+
+    def _call(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
+        if self.scratch is not None:
+            tensors = [a for a in args if isinstance(a, Tensor)]
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+            if math.prod(shape) >= BIG:
+                if fn is torch.where:
+                    dtype = torch.result_type(args[1], args[2])
+                elif len(args) == 1:
+                    dtype = args[0].dtype
+                else:
+                    dtype = torch.result_type(args[0], args[1])
+                out = self.scratch.empty(tuple(shape), dtype, tensors[0].device)
+                return fn(*args, out=out)
+        return fn(*args)
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.add, a, b)
+
+    def sub(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.sub, a, b)
+
+    def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.mul, a, b)
+
+    def div(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.div, a, b)
+
+    def lerp(self, a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
+        return self._call(torch.lerp, a, b, weight)
+
+    def where(self, cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.where, cond, a, b)
+
+    def sqrt(self, a: Tensor) -> Tensor:
+        return self._call(torch.sqrt, a)
+
+    def sign(self, a: Tensor) -> Tensor:
+        return self._call(torch.sign, a)
+
+    def neg(self, a: Tensor) -> Tensor:
+        return self._call(torch.neg, a)
+
+
+PLAIN = Ops()
+"""Operations that allocate their results (traced, transformed, or outside a step)."""
+
+
 class Entry(NamedTuple):
     """What a kernel sees of one tensor: its ``name`` (``"0"``, ``"1"``... for a whole
     flat buffer), gradient ``g``, parameter ``p`` (None when not passed) and ``slots``
     in the compute dtype, the step's scalars ``s`` in that dtype, whether weight
-    decay applies (``decays``), and the dtype the parameter is ``stored`` in."""
+    decay applies (``decays``), the dtype the parameter is ``stored`` in, and the
+    operations ``o`` to compute with (:class:`Ops`)."""
 
     name: str
     g: Tensor
@@ -51,6 +113,7 @@ class Entry(NamedTuple):
     s: Scalars
     decays: bool
     stored: torch.dtype
+    o: Ops = PLAIN
 
 
 Kernel = Callable[[Entry], tuple[Tensor, dict[str, Tensor]]]
@@ -204,6 +267,11 @@ def _run(
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
     """The kernel on each tensor, in its compute dtype; slots stored back in theirs."""
     per_dtype: dict[torch.dtype, Scalars] = {}
+    first = next(iter(grads.values()), None)
+    scratch = borrowing(first) if first is not None else None
+    if scratch is not None and composing(grads, params, *slots.values()):
+        scratch = None
+    ops = PLAIN if scratch is None else Ops(scratch)
     updates: dict[str, Tensor] = {}
     new: dict[str, dict[str, Tensor]] = {f: {} for f in slots}
     for k, g in grads.items():
@@ -214,7 +282,7 @@ def _run(
             per_dtype[dt] = {n: v.to(dt) for n, v in s64.items()}
         p = None if params is None else params[k].to(dt)
         slots_dt = {f: t.to(dt) for f, t in mine.items()}
-        entry = Entry(k, g.to(dt), p, slots_dt, per_dtype[dt], decay.get(k, False), sdt)
+        entry = Entry(k, g.to(dt), p, slots_dt, per_dtype[dt], decay.get(k, False), sdt, ops)
         u, out = spec.kernel(entry)
         updates[k] = u
         for f, t in out.items():

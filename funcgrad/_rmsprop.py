@@ -109,26 +109,26 @@ def rmsprop(
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
-        g, p, slots, s = e.g, e.p, e.slots, e.s
+        g, p, slots, s, o = e.g, e.p, e.slots, e.s, e.o
         if maximize:
-            g = -g
+            g = o.neg(g)
         if e.decays:
             assert p is not None
-            g = g + s["wd"] * p
+            g = o.add(g, o.mul(s["wd"], p))
         # torch's addcmul(g, g, value=c) computes (c * g) * g
-        v = slots["square_avg"] * s["alpha"] + (s["one_minus_alpha"] * g) * g
+        v = o.add(o.mul(slots["square_avg"], s["alpha"]), o.mul(o.mul(s["one_minus_alpha"], g), g))
         out = {"square_avg": v}
         if centered:
-            avg_g = torch.lerp(slots["grad_avg"], g, s["one_minus_alpha"])
+            avg_g = o.lerp(slots["grad_avg"], g, s["one_minus_alpha"])
             out["grad_avg"] = avg_g
-            denom = torch.sqrt(v - avg_g * avg_g) + s["eps"]
+            denom = o.add(o.sqrt(o.sub(v, o.mul(avg_g, avg_g))), s["eps"])
         else:
-            denom = torch.sqrt(v) + s["eps"]
+            denom = o.add(o.sqrt(v), s["eps"])
         if has_momentum:
-            buf = slots["momentum_buffer"] * s["momentum"] + g / denom
+            buf = o.add(o.mul(slots["momentum_buffer"], s["momentum"]), o.div(g, denom))
             out["momentum_buffer"] = buf
-            return buf * s["neg_lr"], out
-        return (g / denom) * s["neg_lr"], out
+            return o.mul(buf, s["neg_lr"]), out
+        return o.mul(o.div(g, denom), s["neg_lr"]), out
 
     slots = {"square_avg": torch.zeros_like}
     if has_momentum:
@@ -199,14 +199,14 @@ def adagrad(
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
-        g, p, slots, s = e.g, e.p, e.slots, e.s
+        g, p, s, o = e.g, e.p, e.s, e.o
         if maximize:
-            g = -g
+            g = o.neg(g)
         if e.decays:
             assert p is not None
-            g = g + s["wd"] * p
-        acc = slots["sum"] + g * g
-        return (g / (torch.sqrt(acc) + s["eps"])) * s["neg_clr"], {"sum": acc}
+            g = o.add(g, o.mul(s["wd"], p))
+        acc = o.add(e.slots["sum"], o.mul(g, g))
+        return o.mul(o.div(g, o.add(o.sqrt(acc), s["eps"])), s["neg_clr"]), {"sum": acc}
 
     spec = Spec(
         who="fg.adagrad",

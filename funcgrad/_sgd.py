@@ -93,19 +93,18 @@ def sgd(
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
-        g, p, slots, s = e.g, e.p, e.slots, e.s
+        g, p, s, o = e.g, e.p, e.s, e.o
         if maximize:
-            g = -g
+            g = o.neg(g)
         if e.decays:
             assert p is not None
-            g = g + s["wd"] * p
+            g = o.add(g, o.mul(s["wd"], p))
         if not has_momentum:
-            return g * s["neg_lr"], {}
-        buf = torch.where(
-            s["first"] != 0, g, slots["momentum_buffer"] * s["momentum"] + s["keep"] * g
-        )
-        g = g + s["momentum"] * buf if nesterov else buf
-        return g * s["neg_lr"], {"momentum_buffer": buf}
+            return o.mul(g, s["neg_lr"]), {}
+        later = o.add(o.mul(e.slots["momentum_buffer"], s["momentum"]), o.mul(s["keep"], g))
+        buf = o.where(s["first"] != 0, g, later)
+        g = o.add(g, o.mul(s["momentum"], buf)) if nesterov else buf
+        return o.mul(g, s["neg_lr"]), {"momentum_buffer": buf}
 
     spec = Spec(
         who="fg.sgd",
