@@ -54,6 +54,7 @@ from ._noise import AddNoiseState as AddNoiseState
 from ._noise import add_noise as add_noise
 from ._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState
 from ._nonfinite import skip_if_nonfinite as skip_if_nonfinite
+from ._optimizer import Optimizer as Optimizer
 from ._per_sample import per_sample_grads as per_sample_grads
 from ._rmsprop import AdagradState as AdagradState
 from ._rmsprop import RMSpropState as RMSpropState

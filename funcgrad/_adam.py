@@ -36,6 +36,7 @@ from ._base import (
     Params,
     check_floating,
     check_state,
+    has_lr,
     params_device,
     shardable,
 )
@@ -46,6 +47,7 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
+    LrCell,
     as64,
     check_lr,
     check_number,
@@ -149,6 +151,7 @@ def _adam(
         isinstance(x, Tensor) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay)
     )
     decays = mask_resolver(mask, f"fg.{name}")
+    lr_cell = LrCell(lr)  # read at each update: fg.Optimizer's param group drives it
 
     def init(params: Params) -> AdamState:
         check_floating(params, f"fg.{name}.init")
@@ -181,7 +184,7 @@ def _adam(
         count = state.count + 1
         # Schedules see the steps taken so far as a float64 0-d tensor, so that
         # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
-        lr_t = lr_at(lr, state.count)
+        lr_t = lr_at(lr_cell.value, state.count)
         scalars = _bias_scalars(count, lr_t, hp.b1, hp.b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
         lr_decay = lr_t * hp.weight_decay
@@ -218,7 +221,7 @@ def _adam(
         back = tuple(flat.from_buffers(o, layout) if o else {} for o in out)
         return back[0], AdamState(count, *back[1:])
 
-    return shardable(GradientTransformation(init, update))
+    return shardable(has_lr(GradientTransformation(init, update), lr_cell))
 
 
 def _leaves(*trees: Mapping[str, Tensor] | None) -> list[Tensor]:

@@ -109,6 +109,34 @@ def set_to_zero() -> GradientTransformation:
 
 _SHARDABLE: weakref.WeakSet[Any] = weakref.WeakSet()
 _AVERAGES: weakref.WeakSet[Any] = weakref.WeakSet()
+_PARTS: weakref.WeakKeyDictionary[Any, tuple[GradientTransformation, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+_LRS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def has_lr(tx: GradientTransformation, cell: Any) -> GradientTransformation:
+    """Record that ``tx`` (an optimizer) reads its learning rate from ``cell`` (a
+    ``funcgrad._hparams.LrCell``). Returns ``tx``."""
+    if not torch.compiler.is_compiling():
+        _LRS[tx.update] = cell
+    return tx
+
+
+def lr_cells(tx: GradientTransformation) -> list[Any]:
+    """The learning-rate cells of every optimizer inside ``tx``, in order (through
+    ``chain``, ``named_chain``, ``partition``, ``accumulate``, ``skip_if_nonfinite``)."""
+    out: list[Any] = []
+
+    def walk(t: GradientTransformation) -> None:
+        cell = _LRS.get(t.update)
+        if cell is not None and all(c is not cell for c in out):
+            out.append(cell)
+        for part in _PARTS.get(t.update, ()):
+            walk(part)
+
+    walk(tx)
+    return out
 
 
 def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
@@ -125,6 +153,8 @@ def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> Gra
     """
     if torch.compiler.is_compiling():
         return tx
+    if parts:
+        _PARTS[tx.update] = parts
     if all(is_shardable(p) for p in parts):
         _SHARDABLE.add(tx.update)
     if any(averages_over_ranks(p) for p in parts):

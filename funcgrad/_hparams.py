@@ -121,6 +121,17 @@ def check_lr(lr: LearningRate) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
+class LrCell:
+    """An optimizer's learning rate, read at every update (not captured once), so that
+    :class:`funcgrad.Optimizer` can hand it the learning rate of its param group: a
+    ``torch.optim.lr_scheduler`` then drives it (funcgrad/_optimizer.py)."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self, value: LearningRate) -> None:
+        self.value = value
+
+
 def lr_at(lr: LearningRate, count: Tensor) -> Tensor:
     """The learning rate of the step after ``count`` steps, as a float64 0-d tensor
     beside ``count``. Schedules see ``count`` as float64, so arithmetic like

@@ -34,9 +34,16 @@ import torch
 from torch import Tensor
 
 from . import _flat as flat
-from ._base import GradientTransformation, Params, check_floating, check_state, params_device
+from ._base import (
+    GradientTransformation,
+    Params,
+    check_floating,
+    check_state,
+    has_lr,
+    params_device,
+)
 from ._compose import composing
-from ._hparams import DecayMask, LearningRate, compute_dtype, lr_at, mask_resolver
+from ._hparams import DecayMask, LearningRate, LrCell, compute_dtype, lr_at, mask_resolver
 from ._scratch import BIG, Scratch, borrowing
 
 Scalars = dict[str, Tensor]
@@ -150,6 +157,7 @@ def build(spec: Spec) -> GradientTransformation:
     """The transformation of ``spec`` (see the module docstring)."""
     who, fields = spec.who, spec.state._fields[1:]
     decays = mask_resolver(spec.mask, who)
+    lr = LrCell(spec.lr)
 
     def init(params: Params) -> Any:
         check_floating(params, f"{who}.init")
@@ -167,7 +175,7 @@ def build(spec: Spec) -> GradientTransformation:
             )
         decay = decays(params) if spec.has_decay and params is not None else {}
         count = state.count + 1
-        s64 = spec.scalars(count, lr_at(spec.lr, state.count))
+        s64 = spec.scalars(count, lr_at(lr.value, state.count))
         slots = {f: getattr(state, f) for f in spec.slots}
         layout = flat.layout_of(grads, params, *slots.values())
         per_buffer = (
@@ -201,7 +209,7 @@ def build(spec: Spec) -> GradientTransformation:
             updates, moved = out, {f: flat.like(t, keep) for f, t in new.items()}
         return updates, spec.state(count, *(moved.get(f, {}) for f in fields))
 
-    return GradientTransformation(init, update)
+    return has_lr(GradientTransformation(init, update), lr)
 
 
 def _start(spec: Spec, field: str, params: Params) -> Any:

@@ -1,0 +1,249 @@
+"""funcgrad's transformations as a ``torch.optim.Optimizer``: :class:`Optimizer`.
+
+For loops and frameworks that already call ``loss.backward()`` and ``opt.step()``
+(LR schedulers, ``torch.amp.GradScaler``, Lightning's ``configure_optimizers``, Hugging
+Face ``Trainer(optimizers=...)``). ``step()`` reads the ``.grad`` of every trainable
+parameter, runs ``tx.update`` on the named gradients (rules, ``monitor``, the
+optimizer: what ``fg.make_step`` runs) and adds the updates to the parameters in place.
+
+The learning rate: every optimizer inside ``tx`` reads its learning rate at each
+update from a cell (``funcgrad._hparams.LrCell``), and ``fg.Optimizer`` takes the
+cells over. It has one param group, whose ``"lr"`` starts at the first optimizer's
+learning rate; each step copies it into a float64 0-d tensor and every optimizer reads
+``group_lr * (own_lr / first_lr)`` (exactly ``group_lr`` for the first), so a torch
+scheduler that writes ``param_groups[0]["lr"]`` drives all of them, keeping their
+ratios. A 0-d tensor learning rate in ``tx`` becomes the group's ``"lr"`` itself
+(schedulers edit it in place, so ``torch.compile(opt.step)`` does not recompile). A
+funcgrad schedule inside ``tx`` keeps deciding: then the group's ``"lr"`` starts at
+1.0 and multiplies it (a torch scheduler scales the funcgrad schedule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _flat as flat
+from ._base import GradientTransformation, Params, State, lr_cells
+from ._model import params as module_params
+from ._state import load_state_dict, state_dict
+
+_KEY = "funcgrad"
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that runs the funcgrad transformation ``tx``.
+
+    Args:
+        model_or_named_parameters: an ``nn.Module`` (its trainable parameters, in the
+            flat layout of ``fg.params(model)``), or ``model.named_parameters()``
+            (pairs ``(name, parameter)``; names are what rules and groups see).
+        tx: the transformation, e.g. ``fg.chain(fg.per_group(rule, groups),
+            fg.adamw(lr=1e-3))``.
+
+    ``opt.tx_state`` is funcgrad's state (``opt.tx_state.inner_states[0]``,
+    ``state["monitor"].stats`` for a named chain); ``state_dict()`` holds it as plain
+    tensors (``torch.load(weights_only=True)``) beside the param group.
+
+    Example:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> groups = fg.group_by_module(model)
+        >>> opt = fg.Optimizer(model, fg.chain(fg.per_group(fg.rules.zero_fix(), groups),
+        ...                                    fg.adamw(lr=1e-2)))
+        >>> sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+        >>> model(torch.ones(3, 2)).sum().backward()
+        >>> opt.step(); sched.step(); opt.zero_grad()
+        >>> int(opt.tx_state.inner_states[1].count), round(opt.param_groups[0]["lr"], 6)
+        (1, 0.00625)
+    """
+
+    def __init__(
+        self,
+        model_or_named_parameters: nn.Module | Iterable[tuple[str, nn.Parameter]],
+        tx: GradientTransformation,
+    ) -> None:
+        who = "fg.Optimizer"
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"{who}: tx must be a GradientTransformation (e.g. fg.adamw()), got "
+                f"{type(tx).__name__}."
+            )
+        named = _named(model_or_named_parameters, who)
+        if isinstance(model_or_named_parameters, nn.Module):
+            params: Params = module_params(model_or_named_parameters)  # flat views
+        else:
+            params = {n: p.detach() for n, p in named}
+        self._core = _Core(tx, [n for n, _ in named], params)
+        lr = _take_over(lr_cells(tx), self._core.lr64)
+        super().__init__([p for _, p in named], {"lr": lr})
+
+    @property
+    def tx(self) -> GradientTransformation:
+        """The transformation this optimizer runs."""
+        return self._core.tx
+
+    @property
+    def tx_state(self) -> State:
+        """funcgrad's state of ``tx`` (e.g. ``opt.tx_state["monitor"].stats``)."""
+        return self._core.state
+
+    # ---- the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``tx`` on the parameters' ``.grad`` and update them in place."""
+        if closure is not None:
+            raise TypeError(
+                "fg.Optimizer.step: closures (LBFGS-style re-evaluation) are not supported; "
+                "compute the loss and call loss.backward() before opt.step()."
+            )
+        group = self.param_groups[0]
+        self._core.run(group["lr"], group["params"])
+        return None
+
+    # ---- state
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (``state``, ``param_groups``) with funcgrad's state as plain
+        nested tensors under ``"funcgrad"``: loadable with ``weights_only=True``."""
+        sd = super().state_dict()
+        sd[_KEY] = {"names": list(self._core.names), "state": state_dict(self.tx_state)}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned, checked in full before anything changes:
+        another model's or transformation's state is an error that changes nothing."""
+        saved = state_dict.get(_KEY) if isinstance(state_dict, Mapping) else None
+        if not isinstance(saved, Mapping) or "state" not in saved:
+            raise ValueError(
+                "fg.Optimizer.load_state_dict: this state dict was not made by "
+                "fg.Optimizer.state_dict() (it has no 'funcgrad' entry). A torch.optim "
+                "optimizer's state converts with fg.state_from_torch."
+            )
+        names = self._core.names
+        if list(saved.get("names", [])) != names:
+            raise ValueError(
+                "fg.Optimizer.load_state_dict: the state dict was saved for parameters "
+                f"{list(saved.get('names', []))[:6]}..., not this optimizer's "
+                f"{names[:6]}...; build the model and the optimizer as when saving."
+            )
+        new_state = load_state_dict(self.tx, self._core.params, saved["state"])
+        torch_part = {k: v for k, v in state_dict.items() if k != _KEY}
+        super().load_state_dict(torch_part)
+        self._core.state = new_state
+
+    def __repr__(self) -> str:
+        return f"fg.Optimizer({len(self._core.names)} parameters, lr={self.param_groups[0]['lr']})"
+
+
+class _Core:
+    """What a step reads and writes. Kept off the ``torch.optim.Optimizer`` object: under
+    ``torch.compile(opt.step)`` dynamo drops attribute writes on an optimizer (torch
+    2.13), and the new state would be lost; on a plain object they are kept."""
+
+    def __init__(self, tx: GradientTransformation, names: list[str], params: Params) -> None:
+        self.tx = tx
+        self.names = names
+        self.params = params
+        self.state: State = tx.init(params)
+        self.lr64 = torch.zeros((), dtype=torch.float64)  # what tx's optimizers read
+
+    def run(self, lr: Any, parameters: list[Tensor]) -> None:
+        if isinstance(lr, Tensor):
+            self.lr64.copy_(lr)  # no recompile under torch.compile(opt.step)
+        else:
+            self.lr64.fill_(lr)
+        named = self._grads([p.grad for p in parameters])
+        updates, self.state = self.tx.update(named, self.state, self.params)
+        # Into the Parameter objects themselves: under torch.compile(opt.step) an
+        # in-place write to a detached alias of them (the flat buffer) is lost (torch
+        # 2.13, aot_autograd), a write to the parameters is not.
+        us = [updates[n] for n in self.names]
+        us = [
+            u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
+        ]
+        torch._foreach_add_(parameters, us)
+
+    def _grads(self, grads: list[Tensor | None]) -> Params:
+        out: dict[str, Tensor] = {}
+        for name, g in zip(self.names, grads, strict=True):
+            if g is None:
+                raise ValueError(
+                    f"fg.Optimizer.step: '{name}' has no .grad (it took no part in the loss, "
+                    "or zero_grad ran after backward). funcgrad updates all trainable "
+                    "parameters as one state; freeze a parameter that is not trained "
+                    "(p.requires_grad_(False)) before building the optimizer."
+                )
+            if g.is_sparse:
+                raise TypeError(
+                    f"fg.Optimizer.step: '{name}' has a sparse gradient; funcgrad's rules "
+                    "and optimizers need dense ones (nn.Embedding(sparse=False))."
+                )
+            out[name] = g
+        if isinstance(self.params, flat.Flat):
+            return flat.pack(out, self.params.layout)  # type: ignore[no-any-return]
+        return out
+
+
+def _named(
+    source: nn.Module | Iterable[tuple[str, nn.Parameter]], who: str
+) -> list[tuple[str, nn.Parameter]]:
+    if isinstance(source, nn.Module):
+        pairs = list(source.named_parameters())
+    else:
+        pairs = list(source)
+        bad = [type(x).__name__ for x in pairs if not (isinstance(x, tuple) and len(x) == 2)]
+        if bad:
+            raise TypeError(
+                f"{who}: expected an nn.Module or model.named_parameters() (pairs (name, "
+                f"parameter)), got items of type {bad[0]}; rules and groups need names."
+            )
+    out = [(n, p) for n, p in pairs if p.requires_grad]
+    if not out:
+        raise ValueError(f"{who}: the model has no trainable parameters (requires_grad=True).")
+    return out
+
+
+def _is_schedule(lr: Any) -> bool:
+    return callable(lr) and not isinstance(lr, Tensor)
+
+
+def _take_over(cells: list[Any], lr64: Tensor) -> Any:
+    """Point every learning-rate cell at ``lr64`` (the group's lr, copied in at each
+    step), scaled by its ratio to the first; return the group's starting lr."""
+    if not cells:
+        return 0.0
+    first = cells[0].value
+    start: Any = 1.0 if _is_schedule(first) else first
+    base = float(first.detach()) if isinstance(first, Tensor) else float(start)
+    base = base or 1.0  # a first lr of 0: the others keep their own values
+    for i, cell in enumerate(cells):
+        own = cell.value
+        if _is_schedule(own):
+            cell.value = _scaled_schedule(own, lr64, base)
+        elif i == 0:
+            cell.value = lr64
+        else:
+            value = float(own.detach()) if isinstance(own, Tensor) else float(own)
+            cell.value = _scaled_schedule(_constant(value), lr64, base)
+    return start
+
+
+def _constant(value: float) -> Callable[[Tensor], float]:
+    def constant(count: Tensor) -> float:
+        return value
+
+    return constant
+
+
+def _scaled_schedule(
+    schedule: Callable[[Tensor], Any], lr64: Tensor, base: float
+) -> Callable[[Tensor], Any]:
+    """``count -> schedule(count) * lr64 / base``: a fixed function (no recompiles)."""
+
+    def scaled(count: Tensor) -> Any:
+        return schedule(count) * (lr64 / base)
+
+    return scaled
