@@ -28,7 +28,6 @@ from torch import Tensor, nn
 
 from . import _flat as flat
 from ._base import GradientTransformation, Params, State, lr_cells
-from ._model import params as module_params
 from ._state import load_state_dict, state_dict
 
 _KEY = "funcgrad"
@@ -73,12 +72,8 @@ class Optimizer(torch.optim.Optimizer):
                 f"{type(tx).__name__}."
             )
         named = _named(model_or_named_parameters, who)
-        if isinstance(model_or_named_parameters, nn.Module):
-            params: Params = module_params(model_or_named_parameters)  # flat views
-        else:
-            params = {n: p.detach() for n, p in named}
-        self._core = _Core(tx, [n for n, _ in named], params)
-        lr = _take_over(lr_cells(tx), self._core.lr64)
+        self._core = _Core(tx, named)
+        lr = _take_over(lr_cells(tx), self._core)
         super().__init__([p for _, p in named], {"lr": lr})
 
     @property
@@ -143,23 +138,31 @@ class _Core:
     ``torch.compile(opt.step)`` dynamo drops attribute writes on an optimizer (torch
     2.13), and the new state would be lost; on a plain object they are kept."""
 
-    def __init__(self, tx: GradientTransformation, names: list[str], params: Params) -> None:
+    def __init__(self, tx: GradientTransformation, named: list[tuple[str, nn.Parameter]]) -> None:
         self.tx = tx
-        self.names = names
-        self.params = params
-        self.state: State = tx.init(params)
-        self.lr64 = torch.zeros((), dtype=torch.float64)  # what tx's optimizers read
+        self.names = [n for n, _ in named]
+        # The state in the flat layout where the parameters allow it (one buffer per
+        # dtype: the elementwise optimizers then run over whole buffers). The module is
+        # left alone: each step reads the parameters themselves (the optimizer packs
+        # them), because under torch.compile(opt.step) an in-place write to a tensor
+        # that aliases a graph input is lost (torch 2.13, aot_autograd).
+        data = {n: p.detach() for n, p in named}
+        if all(flat._flattenable(p) for _, p in named):
+            self.params: Params = flat.pack(data, flat.Layout.for_tensors(data))
+        else:
+            self.params = data
+        self.state: State = tx.init(self.params)
+        self.lr: Any = 0.0  # the group's lr of the current step: tx's optimizers read it
 
     def run(self, lr: Any, parameters: list[Tensor]) -> None:
-        if isinstance(lr, Tensor):
-            self.lr64.copy_(lr)  # no recompile under torch.compile(opt.step)
-        else:
-            self.lr64.fill_(lr)
-        named = self._grads([p.grad for p in parameters])
-        updates, self.state = self.tx.update(named, self.state, self.params)
-        # Into the Parameter objects themselves: under torch.compile(opt.step) an
-        # in-place write to a detached alias of them (the flat buffer) is lost (torch
-        # 2.13, aot_autograd), a write to the parameters is not.
+        # Read, never copied: under torch.compile(opt.step) a tensor written in place and
+        # then read through another reference is read stale (torch 2.13). A tensor lr,
+        # edited in place by a scheduler, compiles once; a float lr is a constant of the
+        # graph (a new value recompiles, as in torch.optim).
+        self.lr = lr
+        grads = self._grads([p.grad for p in parameters])
+        params = dict(zip(self.names, parameters, strict=True))
+        updates, self.state = self.tx.update(grads, self.state, params)
         us = [updates[n] for n in self.names]
         us = [
             u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
@@ -182,8 +185,6 @@ class _Core:
                     "and optimizers need dense ones (nn.Embedding(sparse=False))."
                 )
             out[name] = g
-        if isinstance(self.params, flat.Flat):
-            return flat.pack(out, self.params.layout)  # type: ignore[no-any-return]
         return out
 
 
@@ -210,9 +211,9 @@ def _is_schedule(lr: Any) -> bool:
     return callable(lr) and not isinstance(lr, Tensor)
 
 
-def _take_over(cells: list[Any], lr64: Tensor) -> Any:
-    """Point every learning-rate cell at ``lr64`` (the group's lr, copied in at each
-    step), scaled by its ratio to the first; return the group's starting lr."""
+def _take_over(cells: list[Any], core: _Core) -> Any:
+    """Point every learning-rate cell at the group's lr (``core.lr``, set at each step),
+    scaled by its own ratio to the first optimizer's; return the group's starting lr."""
     if not cells:
         return 0.0
     first = cells[0].value
@@ -222,13 +223,20 @@ def _take_over(cells: list[Any], lr64: Tensor) -> Any:
     for i, cell in enumerate(cells):
         own = cell.value
         if _is_schedule(own):
-            cell.value = _scaled_schedule(own, lr64, base)
+            cell.value = _scaled(own, core, base)
         elif i == 0:
-            cell.value = lr64
+            cell.value = _group_lr(core)
         else:
             value = float(own.detach()) if isinstance(own, Tensor) else float(own)
-            cell.value = _scaled_schedule(_constant(value), lr64, base)
+            cell.value = _scaled(_constant(value), core, base)
     return start
+
+
+def _group_lr(core: _Core) -> Callable[[Tensor], Any]:
+    def group_lr(count: Tensor) -> Any:
+        return core.lr
+
+    return group_lr
 
 
 def _constant(value: float) -> Callable[[Tensor], float]:
@@ -238,12 +246,10 @@ def _constant(value: float) -> Callable[[Tensor], float]:
     return constant
 
 
-def _scaled_schedule(
-    schedule: Callable[[Tensor], Any], lr64: Tensor, base: float
-) -> Callable[[Tensor], Any]:
-    """``count -> schedule(count) * lr64 / base``: a fixed function (no recompiles)."""
+def _scaled(schedule: Callable[[Tensor], Any], core: _Core, base: float) -> Callable[[Tensor], Any]:
+    """``count -> schedule(count) * group_lr / base``: a fixed function (no recompiles)."""
 
     def scaled(count: Tensor) -> Any:
-        return schedule(count) * (lr64 / base)
+        return schedule(count) * (core.lr / base)
 
     return scaled
