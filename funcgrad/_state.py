@@ -206,7 +206,12 @@ def load_state_dict(
                     f"{value.dtype} in the checkpoint, but tx.init(params) makes "
                     f"{tuple(want.shape)} {want.dtype}.{_HINT}"
                 )
-            loaded.append(value.to(device if want.is_meta else want.device).clone())
+            value = value.to(device if want.is_meta else want.device).clone()
+            if hasattr(want, "placements"):  # a DTensor state (FSDP2): this rank's shard
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, want.device_mesh, want.placements)
+            loaded.append(value)
         elif value != want:
             raise ValueError(
                 f"fg.load_state_dict: {path} is {value!r} in the checkpoint, "

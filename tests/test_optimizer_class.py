@@ -168,7 +168,9 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
     sched_b = torch.optim.lr_scheduler.CosineAnnealingLR(opt_b, T_max=8)
     torch_loop(b, opt_b, x, 4, sched_b)
     buf = io.BytesIO()
-    torch.save({"model": b.state_dict(), "opt": opt_b.state_dict(), "sched": sched_b.state_dict()}, buf)
+    torch.save(
+        {"model": b.state_dict(), "opt": opt_b.state_dict(), "sched": sched_b.state_dict()}, buf
+    )
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
     c = dead_seed_model()
@@ -192,7 +194,7 @@ def test_load_state_dict_of_another_model_or_tx_changes_nothing():
     with pytest.raises(ValueError, match=re.escape("the state dict was saved for parameters")):
         opt.load_state_dict(wrong_model)
     wrong_tx = fg.Optimizer(dead_seed_model(), fg.sgd(lr=0.1, momentum=0.9)).state_dict()
-    with pytest.raises((ValueError, TypeError, KeyError), match="fg.load_state_dict"):
+    with pytest.raises((ValueError, TypeError, KeyError), match=re.escape("fg.load_state_dict")):
         opt.load_state_dict(wrong_tx)
     with pytest.raises(ValueError, match=re.escape("it has no 'funcgrad' entry")):
         opt.load_state_dict(torch.optim.AdamW(a.parameters()).state_dict())
@@ -231,7 +233,9 @@ def test_compiled_step_with_a_scheduler_driving_a_tensor_lr_does_not_recompile()
 
     def tx_for(m):
         groups = fg.group_by_module(m)
-        return fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adamw(lr=torch.tensor(1e-2, dtype=D)))
+        return fg.chain(
+            fg.per_group(fg.rules.zero_fix(), groups), fg.adamw(lr=torch.tensor(1e-2, dtype=D))
+        )
 
     eager = fg.Optimizer(a, tx_for(a))
     want = torch_loop(a, eager, x, 100, torch.optim.lr_scheduler.CosineAnnealingLR(eager, 50))
