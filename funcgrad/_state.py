@@ -210,7 +210,7 @@ def load_state_dict(
             if hasattr(want, "placements"):  # a DTensor state (FSDP2): this rank's shard
                 from torch.distributed.tensor import distribute_tensor
 
-                value = distribute_tensor(value, want.device_mesh, want.placements)
+                value = distribute_tensor(value, want.device_mesh, want.placements)  # type: ignore[attr-defined]
             loaded.append(value)
         elif value != want:
             raise ValueError(
