@@ -213,3 +213,12 @@ def test_readme_meta_learning_snippet_runs_and_matches_finite_differences():
     ) / (2 * h)
     torch.testing.assert_close(scope["g_lr"], fd, rtol=1e-6, atol=0)
     assert set(scope["g_params"]) == set(scope["params"])
+
+
+def test_torch_loop_example_trains_with_scheduler_and_scaler(capsys):
+    import torch_loop
+
+    out = torch_loop.main(["--epochs", "3"])
+    text = capsys.readouterr().out
+    assert "fg.Optimizer + OneCycleLR + GradScaler" in text
+    assert out["accuracy"] > 0.3  # chance is 0.1
