@@ -311,3 +311,42 @@ ERRORS = [
 def test_errors(fragment, exc, trigger):
     with pytest.raises(exc, match=re.escape(fragment)):
         trigger()
+
+
+OPTIMIZERS = {
+    "sgd": lambda: fg.sgd(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
+    "rmsprop": lambda: fg.rmsprop(lr=0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: fg.adagrad(lr=0.1, lr_decay=0.1),
+    "adafactor": lambda: fg.adafactor(lr=0.05, weight_decay=0.1),
+    "lion": lambda: fg.lion(lr=0.01, weight_decay=0.1),
+    "muon+adamw": lambda: fg.partition(
+        {"muon": fg.muon(lr=0.02), "adamw": fg.adamw(lr=0.01)},
+        {
+            f"fc{i}.{k}": "muon" if k == "weight" else "adamw"
+            for i in (1, 2, 3)
+            for k in ("weight", "bias")
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_optimizer_equals_make_step(name):
+    """#24's optimizers behind the seed rule (both branches): fg.Optimizer equals
+    fg.make_step (float64)."""
+    x = torch.rand(3, 1, dtype=D)
+    a, b = dead_seed_model(), dead_seed_model()
+
+    def tx_for(m):
+        inner = OPTIMIZERS[name]()
+        return fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), inner)
+
+    tx = tx_for(a)
+    params = fg.params(a)
+    state = tx.init(params)
+    step = fg.make_step(seed_loss(a), tx)
+    for _ in range(5):
+        params, state, _ = step(params, state, x)
+    got = torch_loop(b, fg.Optimizer(b, tx_for(b)), x, 5)
+    for k in got:
+        torch.testing.assert_close(got[k], params[k], rtol=1e-12, atol=1e-14)
