@@ -426,3 +426,43 @@ def test_eager_donated_step_writing_into_kept_buffers_is_bit_equal(name):
         p_plain, s_plain, _ = plain(p_plain, s_plain, x, y)
         assert_trees_close(params, p_plain)
         assert_trees_close(state, s_plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["lion", "muon"])
+def test_half_precision_lion_and_muon_in_float32(name, dtype):
+    """One step at a time from the same state: funcgrad on half-precision parameters
+    against the same step on their float32 copies (Lion: the paper's loop; Muon:
+    torch.optim.Muon), the state upcast; equal within one rounding to the dtype."""
+    model = mlp(dtype, bias=name != "muon")
+    tx = fg.lion(lr=0.01, weight_decay=0.1) if name == "lion" else fg.muon(lr=0.02)
+    params = _tensors(fg.params(model))
+    state = tx.init(params)
+    x, y = data(dtype)
+    for _ in range(3):
+        g = torch.func.grad(mse(model))(params, x, y)
+        p32 = {k: v.float() for k, v in params.items()}
+        g32 = {k: v.float() for k, v in g.items()}
+        if name == "lion":
+            m32 = {k: v.float() for k, v in state.mu.items()}
+            want = {}
+            for k in p32:  # the paper's update in float32
+                c = torch.sign(0.1 * g32[k] + 0.9 * m32[k])
+                want[k] = p32[k] - 0.01 * (c + 0.1 * p32[k])
+        else:
+            ref = mlp(torch.float32, bias=False)
+            named = dict(ref.named_parameters())
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.copy_(p32[k])
+                    p.grad = g32[k]
+            opt = torch.optim.Muon(ref.parameters(), lr=0.02)
+            if int(state.count):
+                fg.state_to_torch(tx, state, opt, named)
+            opt.step()
+            want = {k: p.detach() for k, p in named.items()}
+        updates, state = tx.update(g, state, params)
+        params = fg.apply_updates(params, updates)
+        for k in want:
+            assert params[k].dtype == dtype and state[1][k].dtype == dtype
+            torch.testing.assert_close(params[k], want[k].to(dtype), rtol=1e-2, atol=1e-3)
