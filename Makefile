@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-integrations lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# fg.Optimizer inside PyTorch Lightning and Hugging Face Trainer (tests/integrations):
+# the `integrations` extra (versions pinned in constraints.txt) on top of the dev venv.
+INTEGRATIONS := $(VENV)/.integrations
+
+$(INTEGRATIONS): $(STAMP) constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e ".[integrations]"
+	touch $(INTEGRATIONS)
+
+test-integrations: $(INTEGRATIONS)
+	FUNCGRAD_INTEGRATIONS=1 $(PY) -m pytest -q tests/integrations
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py

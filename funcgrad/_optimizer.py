@@ -89,15 +89,19 @@ class Optimizer(torch.optim.Optimizer):
     # ---- the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``tx`` on the parameters' ``.grad`` and update them in place."""
+        """Run ``tx`` on the parameters' ``.grad`` and update them in place.
+
+        ``closure``, as in ``torch.optim.Adam``: called once, with gradients enabled,
+        before the update (it zeroes the gradients, computes the loss, calls
+        ``backward``); its return value is returned. PyTorch Lightning passes one.
+        """
+        loss = None
         if closure is not None:
-            raise TypeError(
-                "fg.Optimizer.step: closures (LBFGS-style re-evaluation) are not supported; "
-                "compute the loss and call loss.backward() before opt.step()."
-            )
+            with torch.enable_grad():
+                loss = closure()
         group = self.param_groups[0]
         self._core.run(group["lr"], group["params"])
-        return None
+        return loss
 
     # ---- state
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ under torch.compile(fullgraph=True), asserting equal results and one graph."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
+
+# tests/integrations/ needs ``funcgrad[integrations]`` (Lightning, transformers): it runs
+# from ``make test-integrations`` (FUNCGRAD_INTEGRATIONS=1), not from ``make test``.
+collect_ignore_glob = [] if os.environ.get("FUNCGRAD_INTEGRATIONS") else ["integrations/*"]
 
 
 class SeedModel(nn.Module):

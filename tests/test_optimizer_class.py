@@ -76,6 +76,31 @@ def test_named_parameters_and_the_per_tensor_layout():
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
 
 
+def test_a_closure_runs_once_with_grad_enabled_and_its_loss_is_returned():
+    """torch.optim.Adam's contract (PyTorch Lightning passes a closure): the same steps as
+    backward() then step(), and the closure's loss comes back."""
+    x = torch.rand(3, 1, dtype=D)
+    a, b = dead_seed_model(), dead_seed_model()
+    want = torch_loop(a, fg.Optimizer(a, seed_tx(a)), x, 4)
+    opt = fg.Optimizer(b, seed_tx(b))
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        loss = seed_loss(b)(dict(b.named_parameters()), x)
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        with torch.no_grad():  # as a framework may call it
+            loss = opt.step(closure)
+        assert isinstance(loss, torch.Tensor) and loss.ndim == 0
+    assert calls == [True] * 4
+    for n, p in b.named_parameters():
+        torch.testing.assert_close(p.detach(), want[n], rtol=0, atol=0)
+
+
 SCHEDULERS = {
     "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7),
     "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(
@@ -284,11 +309,6 @@ ERRORS = [
         _missing_grad,
     ),
     ("fg.Optimizer.step: 'weight' has a sparse gradient", TypeError, _sparse_grad),
-    (
-        "fg.Optimizer.step: closures (LBFGS-style re-evaluation) are not supported",
-        TypeError,
-        lambda: fg.Optimizer(nn.Linear(1, 1), fg.adam()).step(lambda: 0.0),
-    ),
     (
         "fg.Optimizer: expected an nn.Module or model.named_parameters() (pairs (name, parameter)), got items of type Parameter",
         TypeError,
