@@ -18,13 +18,16 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 
+from . import _dcheckpoint as dckpt
 from ._base import GradientTransformation, Params, State, check_floating, describe
 from ._flat import layout_of, like
+from ._optimizer import Optimizer
 from ._shard import contains_sharded
 from ._state import load_state_dict, state_dict
 from ._tree import commit, names_mismatch
@@ -32,18 +35,34 @@ from ._tree import commit, names_mismatch
 _MAGIC = b"funcgrad-checkpoint 1\n"
 
 
+@overload
 def save_checkpoint(
     path: str | os.PathLike[str], params: Params, state: State, **extra: Any
-) -> None:
+) -> None: ...
+@overload
+def save_checkpoint(
+    path: str | os.PathLike[str], params: nn.Module, state: Optimizer, **extra: Any
+) -> None: ...
+def save_checkpoint(path: str | os.PathLike[str], params: Any, state: Any, **extra: Any) -> None:
     """Write ``params``, ``state`` and ``extra`` to ``path`` atomically, with a checksum.
 
     Args:
         path: the file; its directory must exist. A previous file there is replaced
-            only once the new one is completely on disk.
-        params: the flat params dict (e.g. ``fg.params(model)``).
-        state: the transformation's state.
+            only once the new one is completely on disk. For a distributed checkpoint
+            (below), a directory.
+        params: the flat params dict (e.g. ``fg.params(model)``); or a model whose
+            ``fg.Optimizer`` is ``state``.
+        state: the transformation's state; or the model's ``fg.Optimizer``.
         **extra: anything ``torch.load(weights_only=True)`` accepts back (numbers,
             strings, tensors, lists and dicts of them), e.g. ``epoch=3``.
+
+    A **distributed checkpoint** is written when the state is sharded
+    (``fg.sharded``) or when ``params, state`` are a model and its ``fg.Optimizer``
+    (FSDP2 models included); every rank calls it. ``path`` is then a directory: each
+    save writes a new subdirectory with ``torch.distributed.checkpoint`` (one file per
+    rank) and a manifest of SHA-256 checksums, and publishes it (``path/LATEST``,
+    renamed into place) only once every rank has finished, so a save that dies leaves
+    the previous checkpoint whole; older subdirectories are then removed.
 
     Example:
         >>> import tempfile, torch, funcgrad as fg
@@ -57,14 +76,17 @@ def save_checkpoint(
         >>> live["w"], int(state2.count), extra
         (tensor([1., 1.]), 1, {'epoch': 3})
     """
+    who = "fg.save_checkpoint"
+    if isinstance(params, nn.Module) or isinstance(state, Optimizer):
+        model, opt = _model_and_optimizer(params, state, who)
+        tree = {"model": model.state_dict(), "opt": opt.state_dict()}
+        dckpt.save(Path(path), tree, extra, who)
+        return
     check_floating(params, "fg.save_checkpoint: params")
     if contains_sharded(state):
-        raise TypeError(
-            "fg.save_checkpoint: the state is sharded across ranks (fg.sharded), and one "
-            "process's file would hold only its rows. Save it with "
-            "torch.distributed.checkpoint: dcp.save({'params': params, 'state': "
-            "fg.state_dict(state)}, checkpoint_id=...) on every rank (docs/distributed.md)."
-        )
+        tree = {"params": dict(params), "state": state_dict(state)}
+        dckpt.save(Path(path), tree, extra, who)
+        return
     payload = {
         "params": {k: v.detach().clone() for k, v in params.items()},
         "state": state_dict(state),
@@ -126,9 +148,17 @@ def _read(path: Path) -> dict[str, Any]:
     return dict(payload)
 
 
+@overload
 def load_checkpoint(
     path: str | os.PathLike[str], tx: GradientTransformation, params: Params
-) -> tuple[Params, State, dict[str, Any]]:
+) -> tuple[Params, State, dict[str, Any]]: ...
+@overload
+def load_checkpoint(
+    path: str | os.PathLike[str], tx: Optimizer, params: nn.Module
+) -> tuple[nn.Module, Optimizer, dict[str, Any]]: ...
+def load_checkpoint(
+    path: str | os.PathLike[str], tx: Any, params: Any
+) -> tuple[Any, Any, dict[str, Any]]:
     """Load a :func:`save_checkpoint` file into ``params`` and a new state for ``tx``.
 
     Everything is checked before anything is touched: the checksum, the parameter
@@ -138,6 +168,14 @@ def load_checkpoint(
     ``params`` tensors (in place, so a module whose ``fg.params`` they are sees
     them), all at once.
 
+    A distributed checkpoint (a directory, see :func:`save_checkpoint`) is loaded by
+    every rank, on any number of ranks (one process without a process group
+    included): rank 0 verifies every file against the manifest, every rank reads its
+    part into fresh tensors and validates it, and only when every rank has validated
+    are the live params and state written. For a model and its ``fg.Optimizer``,
+    pass ``(path, opt, model)``; the model's parameters and the optimizer's state are
+    replaced, and ``(model, opt, extra)`` is returned.
+
     Returns:
         ``(params, state, extra)``: the same params dict, the loaded state, and the
         ``**extra`` given to :func:`save_checkpoint`.
@@ -145,6 +183,13 @@ def load_checkpoint(
     Example: see :func:`save_checkpoint`.
     """
     who = "fg.load_checkpoint"
+    if isinstance(tx, Optimizer) or isinstance(params, nn.Module):
+        opt, model = tx, params
+        _model_and_optimizer(model, opt, who)
+        _must_be_directory(path, who)
+        return _load_model_and_optimizer(Path(path), opt, model, who)
+    if dckpt.is_distributed_checkpoint(path):
+        return _load_distributed(Path(path), tx, params, who)
     payload = _read(Path(path))
     saved = payload["params"]
     if saved.keys() != params.keys():
@@ -163,3 +208,59 @@ def load_checkpoint(
     # (into flat params, one cat per buffer of the saved per-name tensors)
     commit(params, like({k: saved[k].to(params[k].device) for k in params}, layout_of(params)))
     return params, state, dict(payload["extra"])
+
+
+def _model_and_optimizer(model: Any, opt: Any, who: str) -> tuple[nn.Module, Optimizer]:
+    if not (isinstance(model, nn.Module) and isinstance(opt, Optimizer)):
+        raise TypeError(
+            f"{who}: give a params dict and a state, or a model and its fg.Optimizer; got "
+            f"{type(model).__name__} and {type(opt).__name__}."
+        )
+    mine = {id(p) for p in model.parameters()}
+    if not all(id(p) in mine for p in opt.param_groups[0]["params"]):
+        raise ValueError(
+            f"{who}: the fg.Optimizer was not built on this model's parameters; pass the "
+            "model the optimizer trains."
+        )
+    return model, opt
+
+
+def _must_be_directory(path: str | os.PathLike[str], who: str) -> None:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"{who}: {str(path)!r} is not a distributed checkpoint directory; a model and "
+            "its fg.Optimizer are saved by fg.save_checkpoint(path, model, opt) into one."
+        )
+
+
+def _fresh(tree: Any) -> Any:
+    """The same tree with new tensors (DTensors stay DTensors of the same layout)."""
+    return tree_map_only(Tensor, lambda t: t.detach().clone(), tree)
+
+
+def _load_distributed(
+    root: Path, tx: GradientTransformation, params: Params, who: str
+) -> tuple[Params, State, dict[str, Any]]:
+    check_floating(params, f"{who}: params")
+    template = {"params": _fresh(dict(params)), "state": state_dict(tx.init(params))}
+    tree, extra = dckpt.load(root, template, who)
+    saved = tree["params"]
+    box: list[State] = []
+    dckpt.raise_if_any(
+        dckpt.guarded(lambda: box.append(load_state_dict(tx, params, tree["state"])))
+    )
+    commit(params, like({k: saved[k].to(params[k].device) for k in params}, layout_of(params)))
+    return params, box[0], dict(extra)
+
+
+def _load_model_and_optimizer(
+    root: Path, opt: Optimizer, model: nn.Module, who: str
+) -> tuple[nn.Module, Optimizer, dict[str, Any]]:
+    template = {"model": _fresh(model.state_dict()), "opt": _fresh(opt.state_dict())}
+    tree, extra = dckpt.load(root, template, who)
+    box: list[Any] = []
+    dckpt.raise_if_any(dckpt.guarded(lambda: box.append(opt._prepare(tree["opt"]))))
+    with torch.no_grad():
+        model.load_state_dict(tree["model"])
+    opt._commit(box[0])
+    return model, opt, dict(extra)

@@ -114,6 +114,10 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned, checked in full before anything changes:
         another model's or transformation's state is an error that changes nothing."""
+        self._commit(self._prepare(state_dict))
+
+    def _prepare(self, state_dict: Any) -> tuple[State, dict[str, Any]]:
+        """Check ``state_dict`` in full; the new funcgrad state and torch's part."""
         saved = state_dict.get(_KEY) if isinstance(state_dict, Mapping) else None
         if not isinstance(saved, Mapping) or "state" not in saved:
             raise ValueError(
@@ -130,6 +134,18 @@ class Optimizer(torch.optim.Optimizer):
             )
         new_state = load_state_dict(self.tx, self._core.params, saved["state"])
         torch_part = {k: v for k, v in state_dict.items() if k != _KEY}
+        groups = torch_part.get("param_groups")
+        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
+            len(g["params"]) for g in self.param_groups
+        ]:
+            raise ValueError(
+                "fg.Optimizer.load_state_dict: the state dict's param groups do not match "
+                "this optimizer's (one group of all trainable parameters)."
+            )
+        return new_state, torch_part
+
+    def _commit(self, prepared: tuple[State, dict[str, Any]]) -> None:
+        new_state, torch_part = prepared
         super().load_state_dict(torch_part)
         self._core.state = new_state
 

@@ -7,13 +7,11 @@ so a rule that decided on its shard alone would take the all-zero branch there.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import funcgrad as fg
@@ -86,18 +84,8 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     try:
         m = sharded_model(world)
         opt = fg.Optimizer(m, make_tx(m))
-        ckpt = os.path.join(out, "ckpt")
         if mode == "train":
             train(m, opt, rank, world, range(STEPS))
-        elif mode == "save":  # half the run, then a DCP checkpoint of model and optimizer
-            train(m, opt, rank, world, range(STEPS // 2))
-            dcp.save({"model": m.state_dict(), "opt": opt.state_dict()}, checkpoint_id=ckpt)
-        elif mode == "load":  # on another number of ranks: resume the second half
-            sd = {"model": m.state_dict(), "opt": opt.state_dict()}
-            dcp.load(sd, checkpoint_id=ckpt)
-            m.load_state_dict(sd["model"])
-            opt.load_state_dict(sd["opt"])
-            train(m, opt, rank, world, range(STEPS // 2, STEPS))
         result = {
             "params": {k: whole(v) for k, v in m.named_parameters()},
             "stats": {

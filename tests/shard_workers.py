@@ -296,17 +296,15 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         counters.clear()
         if mode == "save":
             params, state = train(m, tx, step, rank, world, steps=range(NAN_STEP + 1))
-            sd = {"params": dict(params), "state": fg.state_dict(state)}  # DCP: a plain dict
-            torch.distributed.checkpoint.save(sd, checkpoint_id=os.path.join(out, "ckpt"))
+            fg.save_checkpoint(os.path.join(out, "ckpt"), params, state, step=NAN_STEP + 1)
             result["saved_state"] = _shard.full_tensors(fg.state_dict(state))
             params, state = train(
                 m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
             )
         elif mode == "load":
             params = fg.params(m)
-            sd = {"params": dict(params), "state": fg.state_dict(tx.init(params))}
-            torch.distributed.checkpoint.load(sd, checkpoint_id=os.path.join(out, "ckpt"))
-            state = fg.load_state_dict(tx, params, sd["state"])
+            params, state, extra = fg.load_checkpoint(os.path.join(out, "ckpt"), tx, params)
+            assert extra == {"step": NAN_STEP + 1}
             result["loaded_state"] = _shard.full_tensors(fg.state_dict(state))
             params, state = train(
                 m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state

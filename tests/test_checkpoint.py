@@ -233,3 +233,159 @@ def test_load_state_dict_checks_the_invariants(broken, message):
     params, sd = _adam_sd(**broken)
     with pytest.raises(ValueError, match=re.escape(message)):
         fg.load_state_dict(fg.adam(), params, sd)
+
+
+# ---- the directory (distributed) format in one process: a model and its fg.Optimizer
+
+
+def _model_and_opt():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    m = m.double()
+    return m, fg.Optimizer(m, fg.adamw(lr=1e-2, weight_decay=0.1))
+
+
+def _train(m, opt, steps):
+    for i in range(steps):
+        opt.zero_grad()
+        m(torch.full((4, 2), float(i + 1), dtype=torch.float64)).pow(2).sum().backward()
+        opt.step()
+
+
+def _live(m, opt):
+    out = {f"p {k}": v.detach().clone() for k, v in m.named_parameters()}
+    state = fg.state_dict(opt.tx_state)
+    out.update({f"s {k}": v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return out, repr(state)
+
+
+def test_a_model_and_its_optimizer_resume_bit_for_bit_from_a_directory(tmp_path):
+    """In one process (no process group): two saves, the older removed, the resumed run
+    equals the uninterrupted one bit for bit, with the extras."""
+    root = tmp_path / "ckpt"
+    a, oa = _model_and_opt()
+    _train(a, oa, 2)
+    fg.save_checkpoint(root, a, oa, step=2)
+    _train(a, oa, 1)
+    fg.save_checkpoint(root, a, oa, step=3)
+    assert [p.name[:12] for p in root.iterdir() if p.is_dir()] == ["ckpt-000002-"]
+    _train(a, oa, 2)
+    b, ob = _model_and_opt()
+    _train(b, ob, 1)  # live values that the load replaces
+    model, opt, extra = fg.load_checkpoint(root, ob, b)
+    assert model is b and opt is ob and extra == {"step": 3}
+    _train(b, ob, 2)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert int(ob.tx_state.count) == 5
+
+
+def test_a_directory_checkpoint_that_fails_to_load_changes_nothing(tmp_path):
+    root = tmp_path / "ckpt"
+    a, oa = _model_and_opt()
+    _train(a, oa, 2)
+    fg.save_checkpoint(root, a, oa)
+    sub = root / (root / "LATEST").read_text().strip()
+    b, ob = _model_and_opt()
+    _train(b, ob, 1)
+    before = _live(b, ob)
+    (sub / "funcgrad-manifest.json").write_text("{")
+    with pytest.raises(ValueError) as info:
+        fg.load_checkpoint(root, ob, b)
+    assert "has no readable manifest (funcgrad-manifest.json)" in str(info.value)
+    assert _live(b, ob)[1] == before[1]
+    for k, v in before[0].items():
+        assert torch.equal(_live(b, ob)[0][k], v), k
+
+
+def _dir_ckpt(tmp_path):
+    root = tmp_path / "ckpt"
+    m, opt = _model_and_opt()
+    _train(m, opt, 1)
+    fg.save_checkpoint(root, m, opt)
+    return root, root / (root / "LATEST").read_text().strip()
+
+
+def _missing_shard(tmp_path):
+    root, sub = _dir_ckpt(tmp_path)
+    (sub / "__0_0.distcp").unlink()
+    fg.load_checkpoint(root, *reversed(_model_and_opt()))
+
+
+def _other_model(tmp_path):
+    root, _ = _dir_ckpt(tmp_path)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1))
+    fg.load_checkpoint(root, fg.Optimizer(m.double(), fg.adamw(lr=1e-2)), m)
+
+
+def _no_pointer(tmp_path):
+    (tmp_path / "empty").mkdir()
+    fg.load_checkpoint(tmp_path / "empty", *reversed(_model_and_opt()))
+
+
+def _mismatched(tmp_path):
+    m, _ = _model_and_opt()
+    _, other = _model_and_opt()
+    fg.save_checkpoint(tmp_path / "ckpt", m, other)
+
+
+def _a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    fg.save_checkpoint(tmp_path / "f", *_model_and_opt())
+
+
+def _file_for_optimizer(tmp_path):
+    fg.load_checkpoint(tmp_path / "nothing.fg", *reversed(_model_and_opt()))
+
+
+def _wrong_kinds(tmp_path):
+    m, _ = _model_and_opt()
+    fg.save_checkpoint(tmp_path / "ckpt", m, fg.adam().init({"w": torch.ones(1)}))
+
+
+def _bad_extra(tmp_path):
+    fg.save_checkpoint(tmp_path / "ckpt", *_model_and_opt(), model=torch.nn.Linear(1, 1))
+
+
+def _no_parent(tmp_path):
+    fg.save_checkpoint(tmp_path / "no" / "ckpt", *_model_and_opt())
+
+
+def _param_groups(tmp_path):
+    _, opt = _model_and_opt()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:1]
+    opt.load_state_dict(sd)
+
+
+DIR_ERRORS = [
+    (_missing_shard, ValueError, "is missing from the checkpoint; load an earlier one."),
+    (_other_model, ValueError, "fg.load_checkpoint: torch.distributed.checkpoint could not read"),
+    (_no_pointer, ValueError, "holds no published checkpoint (no LATEST file)"),
+    (
+        _mismatched,
+        ValueError,
+        "fg.save_checkpoint: the fg.Optimizer was not built on this model's parameters",
+    ),
+    (_a_file, FileExistsError, "is a file; a distributed checkpoint is a directory"),
+    (_file_for_optimizer, FileNotFoundError, "is not a distributed checkpoint directory"),
+    (
+        _wrong_kinds,
+        TypeError,
+        "fg.save_checkpoint: give a params dict and a state, or a model and its fg.Optimizer; got Sequential and AdamState.",
+    ),
+    (_bad_extra, TypeError, "fg.save_checkpoint: extra values must be numbers"),
+    (_no_parent, FileNotFoundError, "fg.save_checkpoint: the directory"),
+    (
+        _param_groups,
+        ValueError,
+        "fg.Optimizer.load_state_dict: the state dict's param groups do not match",
+    ),
+]
+
+
+@pytest.mark.parametrize(("trigger", "exc", "fragment"), DIR_ERRORS)
+def test_directory_checkpoint_errors(tmp_path, trigger, exc, fragment):
+    with pytest.raises(exc) as info:
+        trigger(tmp_path)
+    assert fragment in str(info.value)

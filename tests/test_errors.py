@@ -258,13 +258,6 @@ CASES = [
         lambda: fg.sharded(fg.adam()).update(P, fg.ShardedState(_adam_state()), P),
     ),
     (
-        "fg.save_checkpoint: the state is sharded across ranks (fg.sharded)",
-        TypeError,
-        lambda: fg.save_checkpoint(
-            "/nonexistent/never-written", P, fg.ChainState((fg.ShardedState(_adam_state()),))
-        ),
-    ),
-    (
         "fg.state_dict: the state holds a ShardedState inside another transformation's state",
         TypeError,
         lambda: fg.state_dict(fg.ChainState((fg.ShardedState(_adam_state()),))),

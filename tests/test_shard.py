@@ -7,7 +7,6 @@ import time
 import pytest
 import shard_workers as sw
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import funcgrad as fg
@@ -168,7 +167,7 @@ def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path):
 
 
 def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_path):
-    """Save at step 4 on 2 ranks (torch.distributed.checkpoint), then continue: on the
+    """Save at step 4 on 2 ranks (fg.save_checkpoint of a sharded state), then continue: on the
     same 2 ranks (uninterrupted), on 3 ranks, on 2 ranks again (resumed), and
     unsharded in this process."""
     sw.run("save", tmp_path, 2)
@@ -192,9 +191,7 @@ def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_pat
     m = sw.model()
     tx = sw.make_tx(m)
     params = fg.params(m)
-    sd = {"params": dict(params), "state": fg.state_dict(tx.init(params))}
-    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"))
-    state = fg.load_state_dict(tx, params, sd["state"])
+    params, state, _ = fg.load_checkpoint(tmp_path / "ckpt", tx, params)
     params, _ = single_process(range(sw.NAN_STEP + 1, sw.STEPS), params, state)
     for k, v in saved["params"].items():
         torch.testing.assert_close(params[k], v, rtol=1e-12, atol=1e-12)

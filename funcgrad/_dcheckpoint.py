@@ -1,0 +1,301 @@
+"""Distributed checkpoints with the single-file guarantees (``fg.save_checkpoint`` of a
+sharded state, or of a model and its ``fg.Optimizer`` on FSDP2).
+
+A checkpoint is a directory ``root``. Each save writes a new subdirectory
+``root/ckpt-NNNNNN-xxxxxxxx`` with ``torch.distributed.checkpoint`` (one file per
+rank, fsynced), then rank 0 adds the user's extras (``extra.pt``) and a manifest
+(``funcgrad-manifest.json``: the SHA-256 of every file), and only once every rank has
+finished does it publish the subdirectory: ``root/LATEST`` names it, written to a
+temporary file, fsynced and renamed over the old pointer. A save that dies anywhere
+before that (a rank killed, a full disk) leaves ``LATEST`` naming the previous
+checkpoint, whole. After publishing, the older subdirectories are removed.
+
+A load reads ``LATEST``, verifies every file against the manifest on rank 0 (a flipped
+byte or a truncated shard is an error before anything is read), reads into fresh
+tensors (never into the live params or state), and returns them for the caller to
+validate on every rank; the caller writes the live params and state only when every
+rank validated its part. torch's ``CheckpointException`` (a ``BaseException``, which
+``except Exception`` misses) arrives as a ``ValueError`` that says what to do.
+
+Collectives use the default process group, as ``torch.distributed.checkpoint`` does;
+without one (a single process), everything runs locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+POINTER = "LATEST"
+MANIFEST = "funcgrad-manifest.json"
+EXTRA = "extra.pt"
+_FORMAT = "funcgrad-distributed-checkpoint 1"
+
+
+def _on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: that is
+    what funcgrad asked for (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if _on() else 0
+
+
+def _from_rank0(obj: Any) -> Any:
+    """``obj`` as rank 0 has it, on every rank."""
+    if not _on():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def raise_if_any(error: str | None, exc: type[Exception] = ValueError) -> None:
+    """Every rank raises if any rank has an error (each names the first rank that has
+    one), so no rank goes on to write live tensors while another stopped."""
+    if _on():
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    for rank, err in enumerate(errors):
+        if err is not None:
+            where = f" (rank {rank})" if _on() else ""
+            raise exc(f"{err}{where}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(sub: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(sub)) for p in sub.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
+
+
+def published(root: Path) -> str | None:
+    """The name of the published subdirectory, or None when ``root`` has none."""
+    pointer = root / POINTER
+    if not pointer.is_file():
+        return None
+    return pointer.read_text().strip() or None
+
+
+def is_distributed_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir()
+
+
+def save(root: Path, tree: dict[str, Any], extra: dict[str, Any], who: str) -> None:
+    """Save ``tree`` (a DCP state dict) and ``extra`` under ``root`` (collective)."""
+    plan: tuple[str, str | None] | tuple[type[Exception], str] = (FileNotFoundError, "")
+    if _rank() == 0:
+        try:
+            plan = _plan(root, extra, who)
+        except (TypeError, FileNotFoundError, FileExistsError) as err:
+            plan = (type(err), str(err))
+    first, second = _from_rank0(plan)
+    if isinstance(first, type):
+        raise first(second)
+    name, previous = first, second
+    sub = root / name
+    kept = (
+        f"{str(root / previous)!r} is still the checkpoint that fg.load_checkpoint reads"
+        if previous
+        else "no checkpoint was published"
+    )
+    try:
+        with _quiet():
+            dcp.save(tree, storage_writer=dcp.FileSystemWriter(sub), no_dist=not _on())
+    except (CheckpointException, OSError, RuntimeError) as err:
+        raise ValueError(
+            f"{who}: torch.distributed.checkpoint failed to write {str(sub)!r} "
+            f"({_short(err)}); {kept}. Fix the cause (a rank that died, a full disk, a "
+            "directory that not every rank sees) and save again."
+        ) from None
+    failure = None
+    if _rank() == 0:
+        try:
+            _publish(root, sub, extra)
+        except OSError as err:
+            failure = f"{who}: publishing {str(sub)!r} failed ({err}); {kept}."
+    failure = _from_rank0(failure)  # also: no rank returns before it is published
+    if failure is not None:
+        raise OSError(failure)
+
+
+def _plan(root: Path, extra: dict[str, Any], who: str) -> tuple[str, str | None]:
+    """Rank 0: check ``extra`` and ``root``; the new subdirectory's name and the
+    published one's."""
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    try:  # what cannot be loaded back safely is refused now, not at resume time
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as err:
+        raise TypeError(
+            f"{who}: extra values must be numbers, strings, tensors, or lists and dicts "
+            "of them, so that the checkpoint loads with torch.load(weights_only=True); "
+            f"that refuses this one: {err}"
+        ) from None
+    if not root.parent.is_dir():
+        raise FileNotFoundError(
+            f"{who}: the directory {str(root.parent)!r} does not exist; create it first."
+        )
+    if root.exists() and not root.is_dir():
+        raise FileExistsError(
+            f"{who}: {str(root)!r} is a file; a distributed checkpoint is a directory "
+            "(each rank writes its own file into it). Choose another path."
+        )
+    root.mkdir(exist_ok=True)
+    previous = published(root)
+    number = int(previous.split("-")[1]) + 1 if previous else 1
+    return f"ckpt-{number:06d}-{uuid.uuid4().hex[:8]}", previous
+
+
+def _publish(root: Path, sub: Path, extra: dict[str, Any]) -> None:
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    _write_atomic(sub / EXTRA, buf.getvalue())
+    manifest = {"format": _FORMAT, "files": {f: _sha256(sub / f) for f in _files(sub)}}
+    _write_atomic(sub / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _write_atomic(root / POINTER, (sub.name + "\n").encode())  # the commit point
+    for old in root.iterdir():  # older checkpoints and unfinished saves
+        if old.is_dir() and old.name.startswith("ckpt-") and old.name != sub.name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load(root: Path, fresh: dict[str, Any], who: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify the published checkpoint under ``root`` and read it into ``fresh`` (a DCP
+    state dict of new tensors, laid out as this process wants them); collective.
+    Returns ``(fresh, extra)``."""
+    found: tuple[str | None, Any, str | None] = (None, None, None)
+    if _rank() == 0:
+        found = _verify(root, who)
+    name, extra, error = _from_rank0(found)
+    if error is not None:
+        raise ValueError(error)
+    assert name is not None
+    sub = root / name
+    try:
+        with _quiet():
+            dcp.load(fresh, storage_reader=dcp.FileSystemReader(sub), no_dist=not _on())
+    except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as err:
+        raise ValueError(
+            f"{who}: torch.distributed.checkpoint could not read {str(sub)!r} into this "
+            f"model's layout ({_short(err)}). Was it saved for another model or "
+            "transformation? Nothing was changed."
+        ) from None
+    return fresh, extra
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def _verify(root: Path, who: str) -> tuple[str | None, Any, str | None]:
+    name = published(root)
+    if name is None:
+        return (
+            None,
+            None,
+            (
+                f"{who}: {str(root)!r} holds no published checkpoint (no {POINTER} file): "
+                "no save finished there."
+            ),
+        )
+    sub = root / name
+    try:
+        manifest = json.loads((sub / MANIFEST).read_text())
+        files = manifest["files"]
+        assert manifest["format"] == _FORMAT and isinstance(files, dict)
+    except (OSError, ValueError, KeyError, AssertionError, TypeError):
+        return (
+            None,
+            None,
+            (
+                f"{who}: {str(sub)!r} has no readable manifest ({MANIFEST}); the checkpoint "
+                "is damaged. Load an earlier one."
+            ),
+        )
+    for f, digest in files.items():
+        path = sub / f
+        if not path.is_file():
+            return (
+                None,
+                None,
+                (f"{who}: {str(path)!r} is missing from the checkpoint; load an earlier one."),
+            )
+        if _sha256(path) != digest:
+            return (
+                None,
+                None,
+                (
+                    f"{who}: {str(path)!r} is damaged: its SHA-256 checksum does not match the "
+                    "manifest. The file was truncated or changed after it was written; load an "
+                    "earlier checkpoint."
+                ),
+            )
+    try:
+        extra = torch.load(sub / EXTRA, weights_only=True)
+    except Exception as err:
+        return None, None, f"{who}: {str(sub / EXTRA)!r} cannot be read ({err})."
+    return name, extra, None
+
+
+def guarded(fn: Callable[[], Any]) -> str | None:
+    """Run a validation on this rank; its error's text, or None."""
+    try:
+        fn()
+    except (ValueError, KeyError, TypeError) as err:
+        return str(err.args[0]) if err.args else str(err)
+    return None
