@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from . import _flat as flat
 from ._base import GradientTransformation, Params, State, lr_cells
 from ._state import load_state_dict, state_dict
+from ._tree import tree_map
 
 _KEY = "funcgrad"
 
@@ -171,8 +172,12 @@ class _Core:
             self.params: Params = flat.pack(data, flat.Layout.for_tensors(data))
         else:
             self.params = data
-        self.state: State = tx.init(self.params)
+        self.dtensors = any(hasattr(p, "placements") for _, p in named)  # FSDP2
+        self.state: State = self.reduced(tx.init(self.params))
         self.lr: Any = 0.0  # the group's lr of the current step: tx's optimizers read it
+
+    def reduced(self, state: State) -> State:
+        return tree_map(_reduced, state) if self.dtensors else state
 
     def run(self, lr: Any, parameters: list[Tensor]) -> None:
         # Read, never copied: under torch.compile(opt.step) a tensor written in place and
@@ -182,7 +187,8 @@ class _Core:
         self.lr = lr
         grads = self._grads([p.grad for p in parameters])
         params = dict(zip(self.names, parameters, strict=True))
-        updates, self.state = self.tx.update(grads, self.state, params)
+        updates, state = self.tx.update(grads, self.state, params)
+        self.state = self.reduced(state)
         us = [updates[n] for n in self.names]
         us = [
             u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
@@ -273,3 +279,16 @@ def _scaled(schedule: Callable[[Tensor], Any], core: _Core, base: float) -> Call
         return schedule(count) * (core.lr / base)
 
     return scaled
+
+
+def _reduced(t: Any) -> Any:
+    """A DTensor with a ``Partial`` placement (FSDP2: a statistic summed over the
+    shards, such as ``monitor``'s zero fraction) as its reduced, replicated value:
+    the value a user reads, and what ``torch.distributed.checkpoint`` saves (torch
+    2.14 refuses partial placements). Other leaves unchanged."""
+    placements = getattr(t, "placements", None)
+    if placements is None or not any(p.is_partial() for p in placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])

@@ -93,6 +93,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 for g, s in opt.tx_state["monitor"].stats.items()
             },
             "count": int(whole(opt.tx_state["adamw"].count)),
+            # statistics summed over shards are kept reduced (torch 2.14's DCP refuses
+            # a Partial placement)
+            "partial": [
+                f"{g}/{k}"
+                for g, s in opt.tx_state["monitor"].stats.items()
+                for k, v in s.items()
+                if any(p.is_partial() for p in getattr(v, "placements", ()))
+            ],
         }
         torch.save(result, Path(out) / f"{mode}-{world}-rank{rank}.pt")
         dist.barrier()

@@ -28,6 +28,7 @@ def _check(got, reference):
         for s, v in stats.items():  # float32 statistics: summed across shards
             torch.testing.assert_close(got["stats"][g][s], v, rtol=1e-6, atol=1e-7)
     assert got["count"] == fw.STEPS
+    assert got["partial"] == []
 
 
 def test_two_ranks_equal_one_process_and_the_rule_sees_the_whole_layer(tmp_path, reference):
