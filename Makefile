@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integrations lint bench clean
+.PHONY: demo test test-fast test-newest test-integrations lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check funcgrad tests examples benchmarks
 	$(VENV)/bin/mypy
 
+# Prints the 15 slowest tests and the wall time (about 14 min on 2 cores).
 test: lint
-	$(PY) -m pytest -q
+	@start=$$(date +%s); $(PY) -m pytest -q --durations=15; rc=$$?; \
+	echo "make test: pytest took $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# The quick part for the edit loop (under a minute on 2 cores): the eager reference
+# tests of rules, groups, transformations and Adam; a test skips where it would call
+# torch.compile (tests/conftest.py).
+FAST_TESTS := tests/test_groups.py tests/test_rules.py tests/test_transforms.py tests/test_adam.py
+
+test-fast: $(STAMP)
+	@start=$$(date +%s); FUNCGRAD_FAST=1 $(PY) -m pytest -q -x $(FAST_TESTS); \
+	rc=$$?; echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # fg.Optimizer inside PyTorch Lightning and Hugging Face Trainer (tests/integrations):
 # the `integrations` extra (versions pinned in constraints.txt) on top of the dev venv.
@@ -40,6 +51,24 @@ $(INTEGRATIONS): $(STAMP) constraints.txt
 test-integrations: $(INTEGRATIONS)
 	FUNCGRAD_INTEGRATIONS=1 $(PY) -m pytest -q tests/integrations
 
+# The newest torch pip installs here (README: tested range). One edit when a release
+# lands: TORCH_NEWEST. Its own venv, the same suite; the default wheel is the multi-GB
+# CUDA build, which runs on the CPU.
+TORCH_NEWEST ?= 2.14.1
+VENV_NEWEST ?= .venv-newest
+NEWEST := $(VENV_NEWEST)/.installed-$(TORCH_NEWEST)
+
+$(NEWEST): pyproject.toml constraints.txt
+	test -x $(VENV_NEWEST)/bin/python || $(PYTHON) -m venv $(VENV_NEWEST)
+	grep -v '^torch==' constraints.txt > $(VENV_NEWEST)/constraints.txt
+	$(VENV_NEWEST)/bin/python -m pip install -q torch==$(TORCH_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install -q -c $(VENV_NEWEST)/constraints.txt -e ".[dev,examples]"
+	touch $(NEWEST)
+
+test-newest: $(NEWEST)
+	$(VENV_NEWEST)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(VENV_NEWEST)/bin/python -m pytest -q $(NEWEST_TESTS)
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
 	$(PY) benchmarks/bench_per_sample.py
@@ -51,4 +80,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_peers.py  # skipped unless: $(PY) -m pip install -e ".[bench]"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_NEWEST) .pytest_cache .ruff_cache .hypothesis

@@ -16,7 +16,7 @@ add a readable ``repr`` and the ``&``, ``|``, ``~`` operators on conditions.
 Zero tests take ``atol`` (default 0.0, exact): an entry with ``|g| <= atol`` counts as
 zero. A gradient that is mathematically zero can come out as 1e-17 on another kernel
 path (the key bias of an attention layer, a convolution's bias right before a
-BatchNorm), and an exact test then flips; see the README's "Exact zeros" section.
+BatchNorm), and an exact test then flips; see docs/exact-zeros.md.
 """
 
 from __future__ import annotations
@@ -194,7 +194,8 @@ def identity() -> Rule:
     Example:
         >>> import warnings
         >>> from funcgrad import rules
-        >>> with warnings.catch_warnings(record=True):
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
         ...     rules.identity()
         unchanged()
     """

@@ -18,6 +18,15 @@ import funcgrad as fg
 # from ``make test-integrations`` (FUNCGRAD_INTEGRATIONS=1), not from ``make test``.
 collect_ignore_glob = [] if os.environ.get("FUNCGRAD_INTEGRATIONS") else ["integrations/*"]
 
+# ``make test-fast`` (FUNCGRAD_FAST=1): a test skips where it would call torch.compile,
+# so the edit loop runs the eager references only; ``make test`` runs everything.
+if os.environ.get("FUNCGRAD_FAST"):
+
+    def _skip_compile(*args: Any, **kwargs: Any) -> Any:
+        pytest.skip("compiles: skipped by make test-fast (make test runs it)")
+
+    torch.compile = _skip_compile  # type: ignore[assignment]
+
 
 class SeedModel(nn.Module):
     """The model of the original question: 1 -> 2 -> 3 -> 1 with ReLUs."""
