@@ -14,7 +14,7 @@ Three runs, same seed, initialisation, data order and budget:
 It prints a table (accuracy, loss, speed, zero-gradient statistics per layer) and
 writes a PNG with the loss curves and the per-layer zero fraction over training.
 
-What to expect (README, "What the demo shows"): zero gradients are frequent, and the
+What to expect (docs/demo.md): zero gradients are frequent, and the
 seed's rule does not improve accuracy on this task. Its +0.5 on a zero gradient always
 pushes a saturated latent weight downward, so weights below -1 drift further out and
 stay dead; the demo reports that honestly rather than tuning it away.

@@ -180,7 +180,7 @@ def test_ensemble_example_matches_the_loop(capsys):
 
 
 def test_readme_meta_learning_snippet_runs_and_matches_finite_differences():
-    """The "Through the optimizer" snippet, with a model, data and lr defined around it:
+    """docs/composing.md's snippet, with a model, data and lr defined around it:
     its d/dlr equals a central finite difference of its own meta-loss."""
     import re
 
@@ -188,8 +188,8 @@ def test_readme_meta_learning_snippet_runs_and_matches_finite_differences():
 
     import funcgrad as fg
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Through the optimizer", 1)[1]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "composing.md").read_text()
+    section = page.split("# Through the optimizer", 1)[1]
     code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

@@ -192,8 +192,8 @@ def test_multihead_attention_dropout_draws_other_masks_under_torch_func():
     """Pinned torch behaviour (2.13, reproduced without funcgrad): under torch.func.grad,
     nn.MultiheadAttention with dropout consumes the RNG differently, so the nn.Dropout
     after it draws other masks than eager torch with the same seed;
-    F.scaled_dot_product_attention does not. README, "Exact zeros" explains it. If this
-    test fails, torch changed: update the README."""
+    F.scaled_dot_product_attention does not. docs/exact-zeros.md explains it. If
+    this test fails, torch changed: update that page."""
     eager, functional = _dropout_masks(use_sdpa=False)
     assert not torch.equal(eager == 0, functional == 0)
     eager, functional = _dropout_masks(use_sdpa=True)
