@@ -30,6 +30,34 @@ import math
 import time
 from pathlib import Path
 
+from _cli import ShowDefaults
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(
+        formatter_class=ShowDefaults,
+        description="binarized MLP on digits: plain vs hook vs funcgrad",
+    )
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--all-zero-value", type=float, default=1.0, help="rule: all-zero layer -> this"
+    )
+    ap.add_argument("--zero-value", type=float, default=0.5, help="rule: zero entries -> this")
+    ap.add_argument("--no-compile", action="store_true", help="run the funcgrad step eagerly")
+    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
 import torch
 from _cli import check_out_dir
 from hook_answer import attach_hook_answer
@@ -224,19 +252,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="binarized MLP on digits: plain vs hook vs funcgrad")
-    ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=2e-2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--all-zero-value", type=float, default=1.0, help="rule: all-zero layer -> this"
-    )
-    ap.add_argument("--zero-value", type=float, default=0.5, help="rule: zero entries -> this")
-    ap.add_argument("--no-compile", action="store_true", help="run the funcgrad step eagerly")
-    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ap = parser()
     args = ap.parse_args(argv)
     if args.epochs < 1:
         ap.error(f"--epochs must be >= 1, got {args.epochs}")

@@ -34,6 +34,43 @@ import textwrap
 import time
 from pathlib import Path
 
+from _cli import ShowDefaults
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(
+        formatter_class=ShowDefaults,
+        description="tiny char-level GPT on Python source, funcgrad",
+    )
+    ap.add_argument("--steps", type=int, default=1000, help="optimizer updates")
+    ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per update")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per micro-batch")
+    ap.add_argument("--block", type=int, default=64, help="context length")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
+    ap.add_argument("--sample", type=int, default=300, help="characters to generate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--compile",
+        nargs="?",
+        const="step",
+        default="none",
+        choices=["none", "step", "gradients"],
+        help="compile the whole step (--compile), only its forward and backward "
+        "(--compile gradients), or nothing",
+    )
+    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
 import torch
 from _cli import check_out_dir
 from torch import nn
@@ -105,28 +142,7 @@ def sample(model: CharGPT, start: str, stoi, itos, n: int, seed: int) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="tiny char-level GPT on Python source, funcgrad")
-    ap.add_argument("--steps", type=int, default=1000, help="optimizer updates")
-    ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per update")
-    ap.add_argument("--batch", type=int, default=32, help="sequences per micro-batch")
-    ap.add_argument("--block", type=int, default=64, help="context length")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
-    ap.add_argument("--sample", type=int, default=300, help="characters to generate")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--compile",
-        nargs="?",
-        const="step",
-        default="none",
-        choices=["none", "step", "gradients"],
-        help="compile the whole step (--compile), only its forward and backward "
-        "(--compile gradients), or nothing (default)",
-    )
-    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
+    ap = parser()
     args = ap.parse_args(argv)
     if min(args.steps, args.accumulate, args.batch, args.layers, args.heads) < 1:
         ap.error("--steps, --accumulate, --batch, --layers and --heads must be >= 1")

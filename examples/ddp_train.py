@@ -24,16 +24,15 @@ import gc
 import os
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-from sklearn.datasets import load_digits
-from torch import nn
-
-import funcgrad as fg
+from _cli import ShowDefaults
 
 
-def main(argv: list[str] | None = None) -> float:
-    ap = argparse.ArgumentParser(description="data-parallel funcgrad training")
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(
+        formatter_class=ShowDefaults,
+        description="data-parallel funcgrad training",
+    )
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=128, help="global batch size")
     ap.add_argument("--no-compile", action="store_true")
@@ -49,6 +48,23 @@ def main(argv: list[str] | None = None) -> float:
         help="seconds a rank waits for the others in a collective before it fails "
         "(torch's default is 30 minutes: a stalled rank would hang the rest that long)",
     )
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
+import torch
+import torch.distributed as dist
+from sklearn.datasets import load_digits
+from torch import nn
+
+import funcgrad as fg
+
+
+def main(argv: list[str] | None = None) -> float:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.timeout <= 0:
         ap.error(f"--timeout must be > 0 seconds, got {args.timeout}")

@@ -25,6 +25,32 @@ from __future__ import annotations
 import argparse
 import time
 
+from _cli import ShowDefaults
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(
+        formatter_class=ShowDefaults,
+        description="DP-SGD-style training with funcgrad",
+    )
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-norm", type=float, default=1.0)
+    ap.add_argument("--noise-multiplier", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--zero-fix", action="store_true", help="apply the zero rule to each sample first"
+    )
+    ap.add_argument("--no-compile", action="store_true")
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -42,17 +68,7 @@ def load(seed: int):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(description="DP-SGD-style training with funcgrad")
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--max-norm", type=float, default=1.0)
-    ap.add_argument("--noise-multiplier", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--zero-fix", action="store_true", help="apply the zero rule to each sample first"
-    )
-    ap.add_argument("--no-compile", action="store_true")
+    ap = parser()
     args = ap.parse_args(argv)
     if args.epochs < 0 or args.batch < 1:
         ap.error("--epochs must be >= 0 and --batch >= 1")

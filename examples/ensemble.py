@@ -18,11 +18,13 @@ import copy
 import time
 from typing import Any
 
+from _cli import ShowDefaults
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="a vmapped ensemble training step with funcgrad",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=ShowDefaults,
     )
     ap.add_argument("--models", type=int, default=8)
     ap.add_argument("--steps", type=int, default=300)

@@ -27,6 +27,21 @@ from __future__ import annotations
 import argparse
 import copy
 
+from _cli import ShowDefaults
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(formatter_class=ShowDefaults, description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    ap.add_argument("--no-compile", action="store_true", help="run the funcgrad step eagerly")
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
 import torch
 from torch import nn
 
@@ -127,12 +142,10 @@ def run(name: str, steps: int, atol: float, compile: bool) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    parser.add_argument("--no-compile", action="store_true", help="run the funcgrad step eagerly")
-    args = parser.parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     if args.steps < 1:
-        parser.error("--steps must be >= 1")
+        ap.error("--steps must be >= 1")
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("attention", "conv+bn"):
         results[name] = {}

@@ -35,11 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _cli import ShowDefaults
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="MAML on sine regression with a funcgrad inner loop",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=ShowDefaults,
     )
     ap.add_argument("--iterations", type=int, default=1500, help="outer steps")
     ap.add_argument("--tasks", type=int, default=8, help="tasks per meta-batch (vmapped)")

@@ -26,6 +26,30 @@ import math
 import time
 from pathlib import Path
 
+from _cli import ShowDefaults
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(
+        formatter_class=ShowDefaults,
+        description="small ResNet with train-mode BatchNorm on digits",
+    )
+    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
+    ap.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
+    ap.add_argument("--weight-decay", type=float, default=5e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-compile", action="store_true", help="run the funcgrad step eagerly")
+    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
 import torch
 from _cli import check_out_dir
 from sklearn.datasets import load_digits
@@ -213,15 +237,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="small ResNet with train-mode BatchNorm on digits")
-    ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
-    ap.add_argument("--lr", type=float, default=1e-2, help="peak learning rate")
-    ap.add_argument("--weight-decay", type=float, default=5e-2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-compile", action="store_true", help="run the funcgrad step eagerly")
-    ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
+    ap = parser()
     args = ap.parse_args(argv)
     if args.epochs < 1 or args.width < 1:
         ap.error("--epochs and --width must be >= 1")

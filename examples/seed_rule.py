@@ -18,6 +18,22 @@ from __future__ import annotations
 
 import argparse
 
+from _cli import ShowDefaults
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options (built before torch imports, so --help answers at once)."""
+    ap = argparse.ArgumentParser(formatter_class=ShowDefaults, description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="steps shown in detail (seed 0)")
+    ap.add_argument("--seeds", type=int, default=20, help="seeds in the summary")
+    ap.add_argument("--summary-steps", type=int, default=100, help="steps per seed in the summary")
+    return ap
+
+
+if __name__ == "__main__":  # --help answers before torch is imported
+    parser().parse_known_args()
+
+
 import torch
 from hook_answer import attach_hook_answer  # the published answer, re-implemented
 from torch import nn
@@ -103,10 +119,7 @@ def compare(seed: int, steps: int, verbose: bool) -> tuple[int, int, float, floa
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="steps shown in detail (seed 0)")
-    ap.add_argument("--seeds", type=int, default=20, help="seeds in the summary")
-    ap.add_argument("--summary-steps", type=int, default=100, help="steps per seed in the summary")
+    ap = parser()
     args = ap.parse_args(argv)
     for name in ("steps", "seeds", "summary_steps"):
         if getattr(args, name) < 1:

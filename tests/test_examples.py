@@ -222,3 +222,34 @@ def test_torch_loop_example_trains_with_scheduler_and_scaler(capsys):
     text = capsys.readouterr().out
     assert "fg.Optimizer + OneCycleLR + GradScaler" in text
     assert out["accuracy"] > 0.3  # chance is 0.1
+
+
+EXAMPLES = sorted(
+    p.name
+    for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.py")
+    if not p.name.startswith("_") and p.name != "hook_answer.py"
+)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_help_answers_before_torch_imports_and_shows_defaults(name):
+    import subprocess
+
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['{name}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_path('examples/{name}', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'NO_TORCH')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": str(root / "examples"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=root, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.rstrip().endswith("NO_TORCH"), out.stdout[-500:]
+    assert "usage:" in out.stdout and "default" in out.stdout
