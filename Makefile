@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-newest test-integrations lint bench clean
+.PHONY: demo test test-fast test-newest test-integrations docs lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,20 @@ $(NEWEST): pyproject.toml constraints.txt
 test-newest: $(NEWEST)
 	$(VENV_NEWEST)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(VENV_NEWEST)/bin/python -m pytest -q $(NEWEST_TESTS)
+
+# The API site: the docs/ pages as its guide, the reference from the docstrings;
+# --strict fails on a broken link or a missing reference. Home is README.md.
+DOCS := $(VENV)/.docs
+
+$(DOCS): $(STAMP) constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e ".[docs]"
+	touch $(DOCS)
+
+docs: $(DOCS)
+	sed -e 's#](docs/#](#g' -e 's#\[benchmarks/README.md\](benchmarks/README.md)#`benchmarks/README.md`#' \
+		README.md > docs/index.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "site: build/site/index.html"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py

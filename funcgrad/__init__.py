@@ -4,7 +4,7 @@ Gradients come from ``torch.func.grad`` over ``functional_call`` parameter dicts
 are grouped by module, transformed by pure branch-free rules, and fed to a
 functional Adam - one graph under ``torch.compile(fullgraph=True)``.
 
-Example:
+Examples:
     >>> import torch, funcgrad as fg
     >>> model = torch.nn.Sequential(torch.nn.Linear(1, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
     >>> tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam())

@@ -69,7 +69,7 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
             chain (rules, then Adam).
         every: micro-steps per update (``every=1`` is ``tx`` itself).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.accumulate(fg.adam(lr=0.1), every=2)
         >>> p = {"w": torch.zeros(1)}

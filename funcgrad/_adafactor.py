@@ -105,7 +105,7 @@ def adafactor(
     size and scales the decoupled weight decay; the step itself is relative to each
     tensor's RMS. ``mask``: where weight decay applies (as ``fg.adamw``'s).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.adafactor()
         >>> params = {"w": torch.ones(3, 4), "b": torch.ones(4)}

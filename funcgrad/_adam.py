@@ -471,7 +471,7 @@ def adam(
     ``nu_hat + eps_root`` instead, finite there; it changes the update, so it is off
     by default (equal to ``torch.optim``).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.adam(lr=0.1)
         >>> params = {"w": torch.tensor([1.0, -1.0])}
@@ -508,7 +508,7 @@ def adamw(
     off biases and norm weights): equal to ``torch.optim.AdamW`` with a decay and a
     no-decay param group. Tensor hyperparameters and ``eps_root``: see :func:`adam`.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.adamw(lr=0.1, weight_decay=0.5)
         >>> params = {"w": torch.tensor([1.0])}

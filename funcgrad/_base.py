@@ -43,7 +43,7 @@ class GradientTransformation(NamedTuple):
     new_state)``. Neither mutates its inputs, so both can be traced by
     ``torch.compile(fullgraph=True)`` and composed with ``torch.func`` transforms.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> double = fg.GradientTransformation(
         ...     init=lambda params: fg.EmptyState(),
@@ -66,7 +66,7 @@ class EmptyState(NamedTuple):
 def stateless(fn: Callable[[Params, Params | None], Params]) -> GradientTransformation:
     """Wrap ``fn(grads, params) -> updates`` as a transformation with an empty state.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> neg = fg.stateless(lambda grads, params: {k: -g for k, g in grads.items()})
         >>> neg.update({"w": torch.ones(1)}, neg.init({}))[0]
@@ -86,7 +86,7 @@ def stateless(fn: Callable[[Params, Params | None], Params]) -> GradientTransfor
 def identity() -> GradientTransformation:
     """A transformation that passes gradients through unchanged.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> fg.identity().update({"w": torch.ones(1)}, fg.EmptyState())[0]
         {'w': tensor([1.])}
@@ -97,7 +97,7 @@ def identity() -> GradientTransformation:
 def set_to_zero() -> GradientTransformation:
     """Replace every update by zeros (for frozen partitions).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> fg.set_to_zero().update({"w": torch.ones(2)}, fg.EmptyState())[0]
         {'w': tensor([0., 0.])}
@@ -180,7 +180,7 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
     Each update is cast to its parameter's dtype, so a float32 update of a bfloat16
     parameter stays bfloat16.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> fg.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
         {'w': tensor([1.5000, 0.0000])}

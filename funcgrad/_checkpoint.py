@@ -64,7 +64,7 @@ def save_checkpoint(path: str | os.PathLike[str], params: Any, state: Any, **ext
     renamed into place) only once every rank has finished, so a save that dies leaves
     the previous checkpoint whole; older subdirectories are then removed.
 
-    Example:
+    Examples:
         >>> import tempfile, torch, funcgrad as fg
         >>> tx = fg.adam()
         >>> params = {"w": torch.ones(2)}

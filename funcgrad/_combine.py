@@ -52,7 +52,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         A transformation whose state is a :class:`ChainState`. To read an inner
         state by name rather than position, use :func:`named_chain`.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> groups = fg.Groups({"fc": ("fc.weight",)})
         >>> tx = fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.1))
@@ -87,7 +87,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
     Args:
         *named: ``(name, transformation)`` pairs, applied left to right.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> groups = fg.Groups({"fc": ("fc.weight",)})
         >>> tx = fg.named_chain(("monitor", fg.monitor(groups)), ("adam", fg.adam(lr=0.1)))
@@ -145,7 +145,7 @@ def partition(
         transforms: ``label -> transformation``.
         labels: ``parameter name -> label``, or a function ``params -> that dict``.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.partition({"train": fg.adam(lr=0.1), "frozen": fg.set_to_zero()},
         ...                   {"w": "train", "b": "frozen"})

@@ -126,7 +126,7 @@ class Layout:
 class Flat(Mapping[str, Tensor]):
     """A read-only mapping ``name -> view`` over one flat buffer per (device, dtype).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> p = fg.params(model)

@@ -19,7 +19,7 @@ class Groups(Mapping[str, tuple[str, ...]]):
     A parameter belongs to at most one group; parameters in no group are left
     untouched by :func:`funcgrad.per_group`.
 
-    Example:
+    Examples:
         >>> import funcgrad as fg
         >>> g = fg.Groups({"fc1": ["fc1.weight", "fc1.bias"], "fc2": ["fc2.weight"]})
         >>> g["fc1"], len(g)
@@ -132,7 +132,7 @@ def group_by_module(
             path: ``encoder.layers.0.attn.q.weight`` with ``depth=3`` goes to
             ``encoder.layers.0``. Shorter paths are kept whole.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Sequential(torch.nn.Linear(1, 2), torch.nn.ReLU(),
         ...                             torch.nn.Linear(2, 1))

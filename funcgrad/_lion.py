@@ -46,7 +46,7 @@ def lion(
     a schedule; ``b1``, ``b2``, ``weight_decay``: floats or 0-d tensors. ``mask``:
     where weight decay applies (as ``fg.adamw``'s).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.lion(lr=0.1)
         >>> params = {"w": torch.tensor([1.0, 1.0, 1.0])}

@@ -55,7 +55,7 @@ def adam_state_from_torch(
         named_params: ``dict(model.named_parameters())``: the optimizer's parameters,
             matched by identity, give the names.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.Adam(model.parameters())
@@ -95,7 +95,7 @@ def adam_state_to_torch(
 ) -> None:
     """Write a funcgrad :class:`AdamState` into ``optimizer.state`` (the reverse).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> tx = fg.adam()

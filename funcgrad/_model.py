@@ -42,7 +42,7 @@ def params(model: nn.Module) -> Params:
     parameters (``model.to(dtype)``, ``model.half()``, ``to_empty``), call it again:
     a step given the old params raises an error instead of training a copy.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> p = fg.params(model)
@@ -67,7 +67,7 @@ def buffers(model: nn.Module) -> dict[str, Tensor]:
     The tensors are the module's own, so in-place updates made during a
     train-mode forward pass through :func:`call` are seen by the module.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> sorted(fg.buffers(torch.nn.BatchNorm1d(3)))
         ['num_batches_tracked', 'running_mean', 'running_var']
@@ -151,7 +151,7 @@ def load_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
     Names must match ``fg.params(model)`` exactly, and each tensor must have the
     parameter's shape and dtype (it may live on another device).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> fg.load_params(model, {"weight": torch.ones(1, 2), "bias": torch.zeros(1)})
@@ -260,7 +260,7 @@ def call(
     ``torch.func.grad`` over ``params`` equal those of ``loss.backward()``. Buffers
     default to the module's own. Tied parameters follow the one name given.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> p = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}

@@ -99,7 +99,7 @@ def muon(
     where weight decay applies (as ``fg.adamw``'s; torch's Muon decays all of its
     parameters).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.muon(lr=0.02, weight_decay=0.0)
         >>> params = {"w": torch.zeros(4, 4)}

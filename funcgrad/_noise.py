@@ -78,7 +78,7 @@ def add_noise(std: float, seed: int) -> GradientTransformation:
     resumed state continues the same sequence. In DP-SGD, after averaging ``B``
     clipped per-sample gradients, ``std = noise_multiplier * max_norm / B``.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.add_noise(std=0.1, seed=0)
         >>> g = {"w": torch.zeros(3)}

@@ -32,7 +32,7 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
     state is kept; ``skipped`` counts those steps. The decision is a 0-d bool tensor
     used in ``torch.where``: no graph break, no GPU sync.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.skip_if_nonfinite(fg.adam(lr=0.1))
         >>> p = {"w": torch.zeros(1)}

@@ -48,7 +48,7 @@ class Optimizer(torch.optim.Optimizer):
     ``state["monitor"].stats`` for a named chain); ``state_dict()`` holds it as plain
     tensors (``torch.load(weights_only=True)``) beside the param group.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> groups = fg.group_by_module(model)

@@ -85,7 +85,7 @@ def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[...,
     unchanged. Built on ``vmap(grad(loss_fn))``: no Python loop over samples.
     With ``has_aux=True`` it returns ``(grads, aux)`` with aux batched.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(3, 1)
         >>> loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()

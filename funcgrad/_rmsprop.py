@@ -83,7 +83,7 @@ def rmsprop(
     schedule; the other numbers floats or 0-d tensors. ``mask``: where weight decay
     applies (as ``fg.adamw``'s).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.rmsprop(lr=0.01, alpha=0.5)
         >>> params = {"w": torch.tensor([1.0])}
@@ -164,7 +164,7 @@ def adagrad(
     The update rule is in this module's docstring; the effective learning rate
     ``lr / (1 + (t - 1) * lr_decay)`` is computed in float64 like torch's.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.adagrad(lr=0.1, initial_accumulator_value=5.0)
         >>> params = {"w": torch.tensor([1.0])}

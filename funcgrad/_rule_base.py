@@ -128,7 +128,7 @@ class _Named(Generic[Out]):
 class Condition(_Named[Tensor]):
     """A named function ``group -> 0-d bool tensor``; combine with ``&``, ``|``, ``~``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> c = rules.all_zero() | rules.any_nonfinite()
@@ -161,7 +161,7 @@ class Rule(_Named[dict[str, Tensor]]):
     so ``fg.sharded`` may run it on each rank's rows; without it, ``fg.per_group``
     gathers the group from all ranks first.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> halve_dead = rules.Rule(

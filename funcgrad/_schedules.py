@@ -43,7 +43,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Sch
     ``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)`` up to
     ``decay_steps``, then constant.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> sched = fg.cosine_decay(1.0, 10)
         >>> [round(float(sched(torch.tensor(c))), 3) for c in (0, 5, 10, 20)]
@@ -71,7 +71,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int) 
     Equal to ``LinearLR(start_factor=init/base, end_factor=end/base,
     total_iters=transition_steps)`` for a base lr ``base``.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> warmup = fg.linear_schedule(0.0, 1.0, 4)
         >>> [float(warmup(torch.tensor(c))) for c in (0, 1, 4, 9)]
@@ -92,7 +92,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     """Schedule ``i`` up to ``boundaries[i]``, then schedule ``i + 1`` on ``count -
     boundaries[i]`` (optax's ``join_schedules``).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> s = fg.join_schedules([fg.linear_schedule(0.0, 1.0, 2), fg.cosine_decay(1.0, 2)], [2])
         >>> [round(float(s(torch.tensor(c))), 3) for c in range(5)]
@@ -143,7 +143,7 @@ def warmup_cosine_decay(
     [warmup_steps])``: in torch terms, ``SequentialLR([LinearLR, CosineAnnealingLR],
     milestones=[warmup_steps])``.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> s = fg.warmup_cosine_decay(0.0, 1.0, warmup_steps=2, decay_steps=4)
         >>> [round(float(s(torch.tensor(c))), 3) for c in range(6)]

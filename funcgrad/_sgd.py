@@ -59,7 +59,7 @@ def sgd(
     weight decay applies (``fg.adamw``'s ``mask``): equal to ``torch.optim.SGD`` with a
     decay and a no-decay param group.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.sgd(lr=0.1, momentum=0.9)
         >>> params = {"w": torch.tensor([1.0, -1.0])}

@@ -78,7 +78,7 @@ def state_dict(state: State) -> dict[str, Any]:
     ``torch.distributed.checkpoint`` (collective: call it on every rank), and load it
     on any number of ranks, or unsharded (``docs/distributed.md``).
 
-    Example:
+    Examples:
         >>> import io, torch, funcgrad as fg
         >>> tx = fg.adam()
         >>> params = {"w": torch.ones(2)}
@@ -148,9 +148,9 @@ def load_state_dict(
 
     Raises:
         ValueError / KeyError / TypeError: naming the paths where the checkpoint
-        and ``tx`` disagree, or where an invariant is broken.
+            and ``tx`` disagree, or where an invariant is broken.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> params = {"w": torch.zeros(2)}
         >>> sd = fg.state_dict(fg.adam().init(params))

@@ -204,7 +204,7 @@ def make_step(
     loop, compile the transformed function written from ``tx.update`` and
     ``fg.apply_updates`` (``examples/ensemble.py``, ``examples/maml_sine.py``).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()

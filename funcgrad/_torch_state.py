@@ -183,7 +183,7 @@ def state_from_torch(
         params: ``fg.params(model)`` or ``dict(model.named_parameters())``.
         count: the step count, for optimizers whose torch state has none.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -268,7 +268,7 @@ def state_to_torch(
     The reverse of :func:`state_from_torch`: the torch optimizer, built with the
     same hyperparameters, then continues as funcgrad would have.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
         >>> tx = fg.rmsprop(lr=0.01, momentum=0.9)

@@ -39,7 +39,7 @@ def per_group(
         groups: ``fg.Groups`` (or a plain dict ``group -> parameter names``), usually
             from :func:`funcgrad.group_by_module`.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> groups = fg.Groups({"fc1": ("fc1.weight", "fc1.bias")})
         >>> tx = fg.per_group(fg.rules.zero_fix(), groups)
@@ -173,7 +173,7 @@ def monitor(
     Stats: ``zero_fraction`` (fraction of exact zeros), ``all_zero``, ``norm``
     (2-norm of the group), ``any_nonfinite``.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.monitor(fg.Groups({"fc": ("fc.weight",)}))
         >>> g = {"fc.weight": torch.tensor([0.0, 3.0, 4.0, 0.0])}
@@ -229,7 +229,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     ``per_sample=`` in :func:`funcgrad.make_step`, it clips each sample's whole
     gradient (DP-SGD).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.clip_by_global_norm(1.0)
         >>> tx.update({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, fg.EmptyState())[0]

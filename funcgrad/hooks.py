@@ -78,7 +78,7 @@ def attach(
     true gradient (an all-zero layer becomes 1.0, not 1.0 / scale). The scale is
     read as a device tensor: no host sync.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad as fg
         >>> nn = torch.nn
         >>> model = nn.Sequential(nn.Linear(1, 2), nn.ReLU(), nn.Linear(2, 1))

@@ -75,7 +75,7 @@ def all_zero(atol: float = 0.0) -> Condition:
 
     ``-0.0`` counts as zero; ``NaN`` does not.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.all_zero()({"w": torch.zeros(2), "b": torch.tensor([0.0, 1e-30])})
@@ -103,7 +103,7 @@ def all_zero(atol: float = 0.0) -> Condition:
 def any_zero(atol: float = 0.0) -> Condition:
     """True where at least one entry in the group is zero (``|g| <= atol``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.any_zero()({"w": torch.tensor([1.0, -0.0])})
@@ -120,7 +120,7 @@ def any_zero(atol: float = 0.0) -> Condition:
 def any_nonfinite() -> Condition:
     """True where at least one entry in the group is NaN or +-Inf.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.any_nonfinite()({"w": torch.tensor([1.0, float("inf")])})
@@ -136,7 +136,7 @@ def any_nonfinite() -> Condition:
 def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
     """True where the fraction of zeros (``|g| <= atol``) among the group's entries is > ``p``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.zero_fraction_above(0.5)({"w": torch.tensor([0.0, 0.0, 1.0])})
@@ -161,7 +161,7 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
 def norm_above(x: float) -> Condition:
     """True where the group's 2-norm (all entries together) is > ``x``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.norm_above(4.0)({"w": torch.tensor([3.0, 4.0])})
@@ -179,7 +179,7 @@ def norm_above(x: float) -> Condition:
 def unchanged() -> Rule:
     """Leave the group as it is (the default ``otherwise`` of :func:`when`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.unchanged()({"w": torch.ones(1)})
@@ -191,7 +191,7 @@ def unchanged() -> Rule:
 def identity() -> Rule:
     """Deprecated spelling of :func:`unchanged` (``fg.identity()`` is a transformation).
 
-    Example:
+    Examples:
         >>> import warnings
         >>> from funcgrad import rules
         >>> with warnings.catch_warnings():
@@ -211,7 +211,7 @@ def identity() -> Rule:
 def fill(value: float) -> Rule:
     """Set every entry of every gradient in the group to ``value``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.fill(1.0)({"w": torch.zeros(2, dtype=torch.float16)})
@@ -226,7 +226,7 @@ def fill(value: float) -> Rule:
 def replace_zeros(value: float, atol: float = 0.0) -> Rule:
     """Set every zero entry (``|g| <= atol``; ``-0.0`` too) to ``value``; keep the others.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.replace_zeros(0.5)({"w": torch.tensor([0.0, 2.0])})
@@ -244,7 +244,7 @@ def replace_zeros(value: float, atol: float = 0.0) -> Rule:
 def replace_nonfinite(value: float = 0.0) -> Rule:
     """Set every NaN / +-Inf entry to ``value``; keep the finite ones.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.replace_nonfinite()({"w": torch.tensor([float("nan"), 2.0])})
@@ -261,7 +261,7 @@ def replace_nonfinite(value: float = 0.0) -> Rule:
 def scale(factor: float) -> Rule:
     """Multiply every entry by ``factor``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.scale(0.5)({"w": torch.tensor([2.0])})
@@ -277,7 +277,7 @@ def clip_norm(max_norm: float) -> Rule:
     Same formula as ``torch.nn.utils.clip_grad_norm_`` applied to the group:
     ``g * min(1, max_norm / (norm + 1e-6))``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> rules.clip_norm(1.0)({"w": torch.tensor([3.0, 4.0])})
@@ -307,7 +307,7 @@ def when(
     Both branches are computed and selected with ``torch.where`` (branch-free).
     ``otherwise`` defaults to :func:`unchanged`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> r = rules.when(rules.norm_above(1.0), rules.scale(0.0))
@@ -347,7 +347,7 @@ def zero_fix(
     atol))``. The old keywords ``all_zero=`` and ``zero=`` still work, with a
     ``DeprecationWarning``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from funcgrad import rules
         >>> fix = rules.zero_fix()
