@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -24,6 +25,9 @@ Params = dict[str, Tensor]
 
 State = Any
 """A pytree of tensors (NamedTuples, tuples and dicts of tensors)."""
+
+LossFn = Callable[..., Any]
+"""``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``)."""
 
 
 class InitFn(Protocol):
@@ -107,19 +111,41 @@ def set_to_zero() -> GradientTransformation:
     )
 
 
-_SHARDABLE: weakref.WeakSet[Any] = weakref.WeakSet()
-_AVERAGES: weakref.WeakSet[Any] = weakref.WeakSet()
-_PARTS: weakref.WeakKeyDictionary[Any, tuple[GradientTransformation, ...]] = (
-    weakref.WeakKeyDictionary()
-)
-_LRS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+@dataclass
+class _Facts:
+    """What funcgrad records about one transformation (keyed by its ``update``)."""
+
+    shardable: bool = False
+    """Declared with :func:`shardable`: ``fg.sharded`` may run it on row shards."""
+    averages: bool = False
+    """Is or contains ``fg.all_reduce_mean`` (``fg.sharded``, which averages itself, refuses it)."""
+    parts: tuple[GradientTransformation, ...] = ()
+    """The transformations it wraps (``chain``, ``partition``, ...), for :func:`lr_cells`."""
+    lr: Any = None
+    """The learning-rate cell it reads (an optimizer), which ``fg.Optimizer`` exposes as
+    ``param_groups[i]["lr"]`` for torch schedulers."""
+
+
+_FACTS: weakref.WeakKeyDictionary[Any, _Facts] = weakref.WeakKeyDictionary()
+"""The one registry of transformations, keyed weakly by their ``update`` function (a
+``GradientTransformation`` is a NamedTuple: nothing can be attached to it). Written
+only when a transformation is built outside ``torch.compile`` (dynamo cannot trace a
+weak dictionary); read by ``fg.sharded`` and ``fg.Optimizer``. It never changes what
+``update`` computes."""
+
+
+def _facts(tx: GradientTransformation) -> _Facts:
+    facts = _FACTS.get(tx.update)
+    if facts is None:
+        facts = _FACTS[tx.update] = _Facts()
+    return facts
 
 
 def has_lr(tx: GradientTransformation, cell: Any) -> GradientTransformation:
     """Record that ``tx`` (an optimizer) reads its learning rate from ``cell`` (a
     ``funcgrad._hparams.LrCell``). Returns ``tx``."""
     if not torch.compiler.is_compiling():
-        _LRS[tx.update] = cell
+        _facts(tx).lr = cell
     return tx
 
 
@@ -129,10 +155,10 @@ def lr_cells(tx: GradientTransformation) -> list[Any]:
     out: list[Any] = []
 
     def walk(t: GradientTransformation) -> None:
-        cell = _LRS.get(t.update)
-        if cell is not None and all(c is not cell for c in out):
-            out.append(cell)
-        for part in _PARTS.get(t.update, ()):
+        facts = _FACTS.get(t.update, _Facts())
+        if facts.lr is not None and all(c is not facts.lr for c in out):
+            out.append(facts.lr)
+        for part in facts.parts:
             walk(part)
 
     walk(tx)
@@ -149,29 +175,32 @@ def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> Gra
 
     A transformation built inside a compiled function (e.g. ``fg.adam(lr=lr)`` with
     a traced, learnable ``lr``) is not registered: dynamo cannot trace the weak
-    sets, and ``fg.sharded`` is never built there.
+    dictionary, and ``fg.sharded`` is never built there.
     """
     if torch.compiler.is_compiling():
         return tx
+    facts = _facts(tx)
     if parts:
-        _PARTS[tx.update] = parts
+        facts.parts = parts
     if all(is_shardable(p) for p in parts):
-        _SHARDABLE.add(tx.update)
+        facts.shardable = True
     if any(averages_over_ranks(p) for p in parts):
-        _AVERAGES.add(tx.update)
+        facts.averages = True
     return tx
 
 
 def is_shardable(tx: GradientTransformation) -> bool:
     """Whether ``tx`` was declared with :func:`shardable`."""
-    return tx.update in _SHARDABLE
+    facts = _FACTS.get(tx.update)
+    return facts is not None and facts.shardable
 
 
 def averages_over_ranks(tx: GradientTransformation, mark: bool = False) -> bool:
     """Whether ``tx`` is or contains ``fg.all_reduce_mean`` (``mark=True`` declares it)."""
     if mark:
-        _AVERAGES.add(tx.update)
-    return tx.update in _AVERAGES
+        _facts(tx).averages = True
+    facts = _FACTS.get(tx.update)
+    return facts is not None and facts.averages
 
 
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
@@ -235,7 +264,8 @@ def check_state(state: State, cls: type, who: str) -> None:
 
 
 def params_device(params: Mapping[str, Tensor]) -> torch.device:
-    """Where a transformation keeps its counters: with the (first) parameter."""
+    """Where a transformation keeps its counters, and ``fg.sharded`` its layout: with
+    the (first) parameter; the CPU for no parameters."""
     return next(iter(params.values())).device if params else torch.device("cpu")
 
 

@@ -2,7 +2,7 @@
 
 :class:`Checks` validates the inputs of a step (names, structure, batch arity,
 donation safety, a shape-only dry run of ``tx.update``) whenever their structure
-changes; :func:`explain_compile_failure` turns dynamo's errors into the step's own;
+changes;
 :func:`compile_scope` reads ``make_step``'s ``compile=``. Under ``torch.compile``
 none of this runs per step: the traced step is pure tensor code.
 """
@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State
+from ._base import GradientTransformation, LossFn, Params, State
 from ._compose import is_transformed, transform_active
-from ._model import explain_buffer_write
+from ._errors import HOST_READ
 from ._per_sample import check_batch
 from ._tree import BUFFERS, tensor_paths
-
-LossFn = Callable[..., Any]
 
 
 def _meta(tree: Any) -> Any:
@@ -82,15 +80,6 @@ def _span(t: Tensor) -> tuple[int, int]:
     reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     start = t.storage_offset() * t.element_size()
     return int(start), int(start + reach * t.element_size())
-
-
-_HOST_READ = (
-    "reads a tensor's value on the host (a Python if/while, bool(), float() or .item() "
-    "on a tensor), in a schedule or in a custom rule or transformation. Code that runs "
-    "every step must be tensor ops, so that it compiles to one graph and never waits "
-    "for the device: write torch.where(count < 100, a, b) instead of "
-    "a if count < 100 else b, and torch.clamp / torch.minimum instead of min()."
-)
 
 
 class Checks:
@@ -172,41 +161,9 @@ class Checks:
         except RuntimeError as err:
             if "meta tensors" not in str(err):
                 raise
-            raise TypeError(f"fg.make_step: tx.update {_HOST_READ}") from err
+            raise TypeError(f"fg.make_step: tx.update {HOST_READ}") from err
         self.last = key
         return True
-
-
-def explain_compile_failure(
-    err: Exception, eager: Callable[[], Any], how: str = "compile=True"
-) -> Exception | None:
-    """A clearer error than dynamo's for a step that fails to compile, or None.
-
-    ``how`` names the ``compile=`` option in the message (``compile="gradients"``
-    compiles, and so re-runs, only the gradient computation).
-
-    Most mistakes (a misspelled parameter name, a model that writes a buffer, an
-    exception raised in loss_fn) surface under torch.compile as dynamo's own
-    exception types. Running the same step once eagerly, without donation (nothing
-    is written), raises the user's own exception with funcgrad's explanation.
-    """
-    msg = str(err)
-    if "Attempted to wrap RNN, GRU, or LSTM" in msg:
-        return TypeError(
-            f"fg.make_step({how}): the model has an nn.RNN, nn.GRU or nn.LSTM, and "
-            "torch.compile (dynamo) refuses to trace those modules. Use compile=False "
-            "for this model (the eager step computes the same thing), or write the "
-            "recurrence as a loop over nn.LSTMCell / nn.GRUCell, which compile.\n"
-            f"Original error: {msg.splitlines()[0]}"
-        )
-    if "data-dependent" in msg or "Data-dependent" in msg:
-        return TypeError(f"fg.make_step({how}): the step {_HOST_READ}\nOriginal: {msg}")
-    try:
-        eager()
-    except Exception as eager_err:
-        better = explain_buffer_write(eager_err)
-        return better if better is not None else eager_err
-    return None
 
 
 _SCOPES = ("step", "gradients")

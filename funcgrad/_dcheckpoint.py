@@ -41,14 +41,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ._dist import initialized
+
 POINTER = "LATEST"
 MANIFEST = "funcgrad-manifest.json"
 EXTRA = "extra.pt"
 _FORMAT = "funcgrad-distributed-checkpoint 1"
-
-
-def _on() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 @contextlib.contextmanager
@@ -61,12 +59,12 @@ def _quiet() -> Iterator[None]:
 
 
 def _rank() -> int:
-    return dist.get_rank() if _on() else 0
+    return dist.get_rank() if initialized() else 0
 
 
 def _from_rank0(obj: Any) -> Any:
     """``obj`` as rank 0 has it, on every rank."""
-    if not _on():
+    if not initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -76,14 +74,14 @@ def _from_rank0(obj: Any) -> Any:
 def raise_if_any(error: str | None, exc: type[Exception] = ValueError) -> None:
     """Every rank raises if any rank has an error (each names the first rank that has
     one), so no rank goes on to write live tensors while another stopped."""
-    if _on():
+    if initialized():
         errors: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
     else:
         errors = [error]
     for rank, err in enumerate(errors):
         if err is not None:
-            where = f" (rank {rank})" if _on() else ""
+            where = f" (rank {rank})" if initialized() else ""
             raise exc(f"{err}{where}")
 
 
@@ -155,7 +153,7 @@ def save(root: Path, tree: dict[str, Any], extra: dict[str, Any], who: str) -> N
     )
     try:
         with _quiet():
-            dcp.save(tree, storage_writer=dcp.FileSystemWriter(sub), no_dist=not _on())
+            dcp.save(tree, storage_writer=dcp.FileSystemWriter(sub), no_dist=not initialized())
     except (CheckpointException, OSError, RuntimeError) as err:
         raise ValueError(
             f"{who}: torch.distributed.checkpoint failed to write {str(sub)!r} "
@@ -227,7 +225,7 @@ def load(root: Path, fresh: dict[str, Any], who: str) -> tuple[dict[str, Any], d
     sub = root / name
     try:
         with _quiet():
-            dcp.load(fresh, storage_reader=dcp.FileSystemReader(sub), no_dist=not _on())
+            dcp.load(fresh, storage_reader=dcp.FileSystemReader(sub), no_dist=not initialized())
     except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as err:
         raise ValueError(
             f"{who}: torch.distributed.checkpoint could not read {str(sub)!r} into this "

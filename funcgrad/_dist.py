@@ -8,18 +8,34 @@ all-zero on one rank's shard of the batch and not on the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ._base import EmptyState, GradientTransformation, Params, State, averages_over_ranks
 from ._compose import refuse_transforms
 
 
+def initialized() -> bool:
+    """Whether a ``torch.distributed`` process group is up: the one check funcgrad makes."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def by_dtype(tree: Mapping[str, Tensor]) -> list[list[str]]:
+    """The names of ``tree`` grouped by dtype, in order of first appearance: one
+    bucket (one collective) per dtype."""
+    out: dict[torch.dtype, list[str]] = {}
+    for k, t in tree.items():
+        out.setdefault(t.dtype, []).append(k)
+    return list(out.values())
+
+
 def _check_initialized(noop: bool) -> bool:
     """True when a process group is up; else raise, or return False if ``noop``."""
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         return True
     if noop:
         return False
@@ -75,11 +91,8 @@ def all_reduce_mean(
         world = dist.get_world_size(group)
         if not bucket:
             return {k: fc.all_reduce(g, "sum", pg) / world for k, g in grads.items()}
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for k, g in grads.items():
-            by_dtype.setdefault(g.dtype, []).append(k)
         out: Params = {}
-        for names in by_dtype.values():
+        for names in by_dtype(grads):
             flat = torch.cat([grads[k].reshape(-1) for k in names])
             flat = fc.all_reduce(flat, "sum", pg) / world
             for k, piece in zip(names, flat.split([grads[k].numel() for k in names]), strict=True):

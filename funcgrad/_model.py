@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._base import Params, check_floating
+from ._errors import BUFFER_WRITE, explain_buffer_write, reraise
 from ._flat import flatten_module
 
 
@@ -185,42 +186,6 @@ def load_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
                 target.copy_(value)
 
 
-PER_SAMPLE_BATCHNORM = (
-    "Per-sample gradients on a model with BatchNorm in train mode: batch statistics "
-    "mix the samples, so per-sample gradients are meaningless (and each sample alone "
-    "is a batch of one). Call model.eval() before taking per-sample gradients, or use "
-    "a per-sample normalization (GroupNorm/LayerNorm)."
-)
-
-BUFFER_WRITE = (
-    "the model wrote to one of its buffers in place during a torch.func transform "
-    "(grad/vmap) or a training step. That is what BatchNorm does in train mode to its "
-    "running statistics, and torch.func cannot differentiate through a write to a tensor "
-    "captured from outside. In a training step, build it with fg.make_step(..., buffers=True): the "
-    "buffers then travel through the step as inputs and outputs "
-    "(loss_fn(params, buffers, *batch) calls fg.call(model, params, x, buffers=buffers)). "
-    "Outside make_step, pass buffers cloned inside the transformed function, or use "
-    "model.eval()."
-)
-
-
-def explain_buffer_write(err: BaseException, per_sample: bool = False) -> RuntimeError | None:
-    """The clear error for a forward that writes a buffer under torch.func, or None.
-
-    The one place that recognises it: eager torch raises "mutate a captured Tensor";
-    torch.compile wraps that same text in its own exception; a train-mode
-    BatchNorm1d over one sample says "Expected more than 1 value per channel".
-    """
-    msg = str(err)
-    if per_sample and (
-        "mutate a captured Tensor" in msg or "Expected more than 1 value per channel" in msg
-    ):
-        return RuntimeError(f"{PER_SAMPLE_BATCHNORM}\nOriginal error: {msg}")
-    if "mutate a captured Tensor" in msg and BUFFER_WRITE not in msg:
-        return RuntimeError(f"fg.call: {BUFFER_WRITE}\nOriginal error: {msg}")
-    return None
-
-
 class _Watch(threading.local):
     on = False
 
@@ -321,10 +286,7 @@ def _call(
             return functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
         return _call_with_cumulative_averages(model, tensors, args, kwargs, cumulative)
     except RuntimeError as err:
-        better = explain_buffer_write(err)
-        if better is None:
-            raise
-        raise better from err
+        reraise(err, explain_buffer_write(err))
 
 
 _STATS = ("running_mean", "running_var")

@@ -13,11 +13,9 @@ from typing import Any
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
-from ._base import GradientTransformation, Params
+from ._base import GradientTransformation, LossFn, Params
+from ._errors import explain_buffer_write, reraise
 from ._flat import Flat
-from ._model import explain_buffer_write
-
-LossFn = Callable[..., Any]
 
 
 def check_batch(batch: tuple[Any, ...], who: str) -> int:
@@ -71,12 +69,6 @@ def vmapped_grads(
     return fn
 
 
-def raise_explained(err: BaseException, per_sample: bool) -> None:
-    better = explain_buffer_write(err, per_sample=per_sample)
-    if better is not None:
-        raise better from err
-
-
 def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., Any]:
     """Per-sample gradients: ``fn(params, *batch) -> {name: [B, *param.shape]}``.
 
@@ -102,8 +94,7 @@ def per_sample_grads(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[...,
         try:
             g, _, aux = batched(params, *batch)
         except (RuntimeError, ValueError) as err:
-            raise_explained(err, per_sample=True)
-            raise
+            reraise(err, explain_buffer_write(err, per_sample=True))
         return (g, aux) if has_aux else g
 
     return fn

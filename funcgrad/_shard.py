@@ -41,8 +41,10 @@ from ._base import (
     averages_over_ranks,
     check_state,
     is_shardable,
+    params_device,
 )
 from ._compose import refuse_transforms
+from ._dist import by_dtype, initialized
 from ._tree import flatten
 
 T = TypeVar("T")
@@ -152,13 +154,6 @@ class _Replay(_Record):
             self._next("(none)")
 
 
-def _by_dtype(tree: Mapping[str, Tensor]) -> list[list[str]]:
-    out: dict[torch.dtype, list[str]] = {}
-    for k, t in tree.items():
-        out.setdefault(t.dtype, []).append(k)
-    return list(out.values())
-
-
 class Ranks:
     """The ranks of one process group and the row layout of one set of parameters."""
 
@@ -223,7 +218,7 @@ class Ranks:
         if self.world == 1:
             return self.local(grads)
         out: dict[str, Tensor] = {}
-        for names in _by_dtype(grads):
+        for names in by_dtype(grads):
             blocks = torch.cat([self.rows[k].padded(grads[k]) for k in names], dim=1)
             mine = fc.reduce_scatter_single(blocks.reshape(-1), "sum", 0, self.pg) / self.world
             sizes = [self.rows[k].chunk * self.rows[k].row for k in names]
@@ -238,7 +233,7 @@ class Ranks:
         if self.world == 1:
             return {k: self.rows[k].whole(p) for k, p in pieces.items()}
         out: dict[str, Tensor] = {}
-        for names in _by_dtype(pieces):
+        for names in by_dtype(pieces):
             mine = torch.cat([self.rows[k].pad_local(pieces[k]) for k in names])
             blocks = fc.all_gather_single(mine, 0, self.pg).reshape(self.world, -1)
             sizes = [self.rows[k].chunk * self.rows[k].row for k in names]
@@ -251,7 +246,7 @@ class Ranks:
 
 
 def _initialized(who: str) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized, so there are no ranks to shard "
             "the state over. Call torch.distributed.init_process_group(...) first (torchrun "
@@ -420,7 +415,7 @@ def sharded(
         ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
         kinds, whole_state = _leaf_layout(tx, params)
         _check_same_on_all_ranks(ranks, _signature(params, whole_state))
-        new = Layout(ranks, kinds, _device(params))
+        new = Layout(ranks, kinds, params_device(params))
         if State_.layout is None or _key(State_.layout) != _key(new):
             # Kept when equal: a compiled step guards on it, so a second init (e.g.
             # by fg.load_state_dict) must not cause a recompile.
@@ -452,10 +447,6 @@ def _key(layout: Layout) -> tuple[Any, ...]:
     r = layout.ranks
     shapes = tuple((k, rows.shape) for k, rows in r.rows.items())
     return (id(r.pg), r.rank, r.world, shapes, tuple(layout.whole), layout.device)
-
-
-def _device(params: Params) -> torch.device:
-    return next(iter(params.values())).device if params else torch.device("cpu")
 
 
 def _same_shapes(ranks: Ranks, grads: Params) -> bool:

@@ -38,11 +38,12 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from ._base import GradientTransformation, Params, State, apply_updates, updates_as_params
-from ._checks import Checks, LossFn, compile_scope, explain_compile_failure
+from ._base import GradientTransformation, LossFn, Params, State, apply_updates, updates_as_params
+from ._checks import Checks, compile_scope
 from ._compose import transform_active
+from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
 from ._flat import Flat, leaves, like
-from ._model import PER_SAMPLE_BATCHNORM, explain_buffer_write, watching_buffers
+from ._model import watching_buffers
 from ._per_sample import vmapped_grads
 from ._scratch import Scratch, lending
 from ._tree import commit, copy_into, sigint_held, tree_map
@@ -302,12 +303,8 @@ def make_step(
         try:
             return compiled_gradients(params, *args)
         except Exception as err:
-            better = explain_compile_failure(
-                err, lambda: gradients(params, *args), 'compile="gradients"'
-            )
-            if better is None or better is err:
-                raise
-            raise better from err
+            eager = lambda: gradients(params, *args)  # noqa: E731
+            reraise(err, explain_compile_failure(err, eager, 'compile="gradients"'))
 
     def eager_step(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         """Donated, it returns the updates (added to the params at commit, in place)."""
@@ -368,9 +365,7 @@ def make_step(
             better: Exception | None = explain_buffer_write(err, per_sample=per_sample is not None)
             if better is None and compiled:
                 better = explain_compile_failure(err, lambda: pure_step(params, state, *args))
-            if better is None or better is err:
-                raise
-            raise better from err
+            reraise(err, better)
         if not donate:
             return out
         # Eager and donated: out starts with the updates.
