@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    from dist_workers import free_port
+    from workers.dist_workers import free_port
 
     mp.spawn(worker, args=(2, free_port(), args), nprocs=2)
 

@@ -7,53 +7,9 @@ import re
 
 import pytest
 import torch
-from conftest import check_compiles
+from references import adam_grads_at, adam_params, adam_run_both, check_compiles
 
 import funcgrad as fg
-
-SHAPES = {"a.weight": (5, 3), "a.bias": (5,), "b.weight": (2, 5), "scalar": ()}
-
-
-def init_params(dtype):
-    g = torch.Generator().manual_seed(0)
-    return {
-        k: torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()
-    }
-
-
-def grads_at(params, step):
-    """Gradients that depend on the current params (so drift would compound) and
-    include exact zeros and tiny values."""
-    g = torch.Generator().manual_seed(100 + step)
-    out = {}
-    for k, p in params.items():
-        noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-        gr = torch.sin(3 * p) + 0.1 * noise
-        if p.dim():
-            gr.view(-1)[0] = 0.0
-        out[k] = gr
-    return out
-
-
-def run_both(make_fg, make_torch, dtype, steps=50, schedule=None):
-    params = init_params(dtype)
-    leaves = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
-    opt = make_torch(list(leaves.values()))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
-    tx = make_fg()
-    state = tx.init(params)
-    for step in range(steps):
-        grads = grads_at(params, step)
-        tgrads = grads_at({k: p.detach() for k, p in leaves.items()}, step)
-        updates, state = tx.update(grads, state, params)
-        params = fg.apply_updates(params, updates)
-        for k, p in leaves.items():
-            p.grad = tgrads[k]
-        opt.step()
-        if sched:
-            sched.step()
-    return params, {k: p.detach() for k, p in leaves.items()}, state
-
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-6, atol=1e-6)}
 OPTIONS = list(itertools.product([0.0, 0.1], [False, True], [False, True]))
@@ -67,14 +23,14 @@ def test_matches_torch_optim(dtype, wd, amsgrad, maximize, decoupled):
         lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=wd, amsgrad=amsgrad, maximize=maximize
     )
     fg_opt, torch_opt = (fg.adamw, torch.optim.AdamW) if decoupled else (fg.adam, torch.optim.Adam)
-    ours, theirs, state = run_both(lambda: fg_opt(**kw), lambda ps: torch_opt(ps, **kw), dtype)
+    ours, theirs, state = adam_run_both(lambda: fg_opt(**kw), lambda ps: torch_opt(ps, **kw), dtype)
     assert state.count.dtype == torch.int64 and int(state.count) == 50
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], **TOL[dtype])
 
 
 def test_default_hyperparameters_match():
-    ours, theirs, _ = run_both(fg.adamw, lambda ps: torch.optim.AdamW(ps), torch.float64)
+    ours, theirs, _ = adam_run_both(fg.adamw, lambda ps: torch.optim.AdamW(ps), torch.float64)
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], **TOL[torch.float64])
 
@@ -82,7 +38,7 @@ def test_default_hyperparameters_match():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_tensor_lr_and_schedule(dtype):
     lr = torch.tensor(0.02, dtype=torch.float64)  # a float32 0.02 is not 0.02
-    ours, theirs, _ = run_both(
+    ours, theirs, _ = adam_run_both(
         lambda: fg.adam(lr=lr), lambda ps: torch.optim.Adam(ps, lr=0.02), dtype
     )
     for k in ours:
@@ -92,7 +48,7 @@ def test_tensor_lr_and_schedule(dtype):
     def factor(c):
         return 1.0 / (1.0 + c)
 
-    ours, theirs, _ = run_both(
+    ours, theirs, _ = adam_run_both(
         lambda: fg.adam(lr=lambda count: 0.05 * factor(count)),
         lambda ps: torch.optim.Adam(ps, lr=0.05),
         dtype,
@@ -104,7 +60,7 @@ def test_tensor_lr_and_schedule(dtype):
 
 def test_cosine_schedule_matches_torch_cosine_annealing():
     sched = fg.cosine_decay(0.1, 30)
-    ours, theirs, _ = run_both(
+    ours, theirs, _ = adam_run_both(
         lambda: fg.adam(lr=sched),
         lambda ps: torch.optim.Adam(ps, lr=0.1),
         torch.float64,
@@ -123,19 +79,19 @@ def test_bfloat16_matches_torch_optim_adamw(amsgrad):
     places (torch fuses addcmul), so they agree to a few bfloat16 ulps, not bit for bit.
     """
     kw = dict(lr=0.01, weight_decay=0.1, amsgrad=amsgrad)
-    ours, theirs, state = run_both(
+    ours, theirs, state = adam_run_both(
         lambda: fg.adamw(**kw), lambda ps: torch.optim.AdamW(ps, **kw), torch.bfloat16, steps=10
     )
     for k in ours:
         assert ours[k].dtype == state.mu[k].dtype == torch.bfloat16
         torch.testing.assert_close(ours[k], theirs[k], rtol=2e-2, atol=2e-2)
     # The run moved the params by much more than the tolerance: the check is not empty.
-    start = init_params(torch.bfloat16)
+    start = adam_params(torch.bfloat16)
     assert max((ours[k].float() - start[k].float()).abs().max() for k in ours) > 0.05
 
 
 def test_update_compiles_once_over_steps():
-    params = init_params(torch.float32)
+    params = adam_params(torch.float32)
     lr = torch.tensor(0.01)
     for tx in (
         fg.adam(lr=lr, weight_decay=0.1, amsgrad=True),
@@ -144,7 +100,7 @@ def test_update_compiles_once_over_steps():
         state = tx.init(params)
         arg_sets = []
         for step in range(3):
-            grads = grads_at(params, step)
+            grads = adam_grads_at(params, step)
             arg_sets.append((grads, state, params))
             _, state = tx.update(grads, state, params)
         check_compiles(tx.update, *arg_sets, rtol=1e-6, atol=1e-7)
@@ -278,7 +234,7 @@ def test_eager_multi_tensor_path_equals_the_per_tensor_loop_bit_for_bit(
         # The per-tensor loop is what runs traced or under torch.func transforms.
         monkeypatch.setattr(_adam, "composing", lambda *inputs: mode == "loop")
         monkeypatch.setattr(_adam, "BIG", 0 if mode == "borrowed" else _scratch.BIG)
-        params = init_params(dtype)
+        params = adam_params(dtype)
         params["f64"] = torch.linspace(-1, 1, 7, dtype=torch.float64)  # a second dtype
         mask = {**MASK, "f64": True}
         tx = make(
@@ -289,7 +245,7 @@ def test_eager_multi_tensor_path_equals_the_per_tensor_loop_bit_for_bit(
         outs = []
         for step in range(10):
             with _scratch.lending(scratch):
-                updates, state = tx.update(grads_at(params, step), state, params)
+                updates, state = tx.update(adam_grads_at(params, step), state, params)
             # What make_step's commit does: copy the results out, then give the
             # buffers back (the next step writes into them again).
             updates, state = torch.utils._pytree.tree_map(torch.clone, (updates, state))

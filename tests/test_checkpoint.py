@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SeedModel, assert_trees_close, seed_loss
+from references import SeedModel, assert_trees_close, seed_loss
 
 import funcgrad as fg
 

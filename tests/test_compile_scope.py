@@ -9,11 +9,20 @@ import re
 import optree
 import pytest
 import torch
-from conftest import assert_one_graph, assert_trees_close, seed_loss
-from test_buffers import assert_matches_reference as assert_matches_torch
-from test_buffers import batches, funcgrad_run, make_model, reference
-from test_per_sample import BATCH, make_mixed, mixed_loss
-from test_step import dead_seed_model
+from references import (
+    MIXED_BATCH,
+    assert_one_graph,
+    assert_trees_close,
+    dead_seed_model,
+    make_mixed,
+    mixed_loss,
+    resnet_batches,
+    resnet_funcgrad_run,
+    resnet_model,
+    resnet_reference,
+    seed_loss,
+)
+from references import assert_matches_resnet as assert_matches_torch
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
@@ -63,12 +72,12 @@ def test_inductor_gradients_with_eager_update_equal_the_eager_step():
 
 
 def test_train_mode_batchnorm_equals_eager_torch():
-    data = batches(6)
-    ref = reference(make_model(), data)
+    data = resnet_batches(6)
+    ref = resnet_reference(resnet_model(), data)
     torch._dynamo.reset()
     counters.clear()
-    model = make_model()
-    params, buffers = funcgrad_run(model, data, compile=AOT, donate=True)
+    model = resnet_model()
+    params, buffers = resnet_funcgrad_run(model, data, compile=AOT, donate=True)
     assert_one_graph()
     assert_matches_torch(params, buffers, ref)
     assert int(model.block.bn1.num_batches_tracked) == 6  # donated into the module
@@ -86,8 +95,8 @@ def test_per_sample_rule_equals_the_eager_step():
     p, s = fg.params(model), tx.init(fg.params(model))
     ep, es = p, s
     for _ in range(3):
-        p, s, loss = step(p, s, *BATCH)
-        ep, es, eloss = eager(ep, es, *BATCH)
+        p, s, loss = step(p, s, *MIXED_BATCH)
+        ep, es, eloss = eager(ep, es, *MIXED_BATCH)
         assert_trees_close((p, s, loss), (ep, es, eloss), rtol=1e-10, atol=1e-12)
     assert_one_graph()
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import assert_trees_close, check_compiles
+from references import assert_trees_close, check_compiles
 from torch import Tensor, nn
 from torch.func import grad, jacrev, vmap
 
@@ -558,7 +558,7 @@ def test_vmapped_ensemble_of_small_gpts_with_tied_weights():
     """Two copies of examples/char_gpt.py's model (tied embeddings, masked AdamW,
     per-block rule with atol, monitor) trained 3 steps in one vmapped fg.make_step,
     against each trained alone by the eager donated step."""
-    from shard_workers import small_gpt
+    from workers.shard_workers import small_gpt
 
     m, tx = small_gpt()
 

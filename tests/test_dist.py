@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_workers import make, model_and_data, run_ranks, train
+from workers.dist_workers import make, model_and_data, run_ranks, train
 
 import funcgrad as fg
 

@@ -13,11 +13,11 @@ import shutil
 import time
 from pathlib import Path
 
-import dckpt_workers as dw
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_workers import free_port, spawn
+from workers import dckpt_workers as dw
+from workers.dist_workers import free_port, spawn
 
 
 def _results(out: Path, mode: str, world: int) -> list[dict]:

@@ -9,12 +9,17 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from conftest import assert_trees_close, seed_loss
-from shard_workers import small_gpt
-from test_buffers import TinyResNet, batches, make_model
-from test_step import dead_seed_model
+from references import (
+    TinyResNet,
+    assert_trees_close,
+    dead_seed_model,
+    resnet_batches,
+    resnet_model,
+    seed_loss,
+)
 from torch import nn
 from torch.func import grad_and_value
+from workers.shard_workers import small_gpt
 
 import funcgrad as fg
 import funcgrad._scratch as fg_scratch
@@ -133,13 +138,13 @@ def test_eager_step_equals_torch_func_steps_bit_for_bit(case, donate, counted):
 
 
 def test_eager_step_with_buffers_equals_torch_func_steps_bit_for_bit(counted):
-    model: TinyResNet = make_model()
+    model: TinyResNet = resnet_model()
     tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam(lr=0.01))
 
     def loss(p, b, x, y):
         return nn.functional.cross_entropy(fg.call(model, p, x, buffers=b), y)
 
-    data = batches(4)
+    data = resnet_batches(4)
     p0 = {k: v.clone() for k, v in fg.params(model).items()}
     b0 = {k: v.clone() for k, v in fg.buffers(model).items()}
     want_p, want_s, want_b, _ = reference(loss, tx, p0, tx.init(p0), data, buffers=b0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SeedModel
+from references import SeedModel
 from torch import nn
 
 import funcgrad as fg

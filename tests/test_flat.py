@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_trees_close
+from references import assert_trees_close
 from torch import nn
 
 import funcgrad as fg

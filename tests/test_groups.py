@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import SeedModel
+from references import SeedModel
 from torch import nn
 
 import funcgrad as fg

@@ -8,10 +8,15 @@ import math
 
 import pytest
 import torch
-from conftest import assert_one_graph, check_compiles
-from test_adam import init_params, run_both
-from test_buffers import batches, make_model
-from test_rules import ref_zero_fix
+from references import (
+    adam_params,
+    adam_run_both,
+    assert_one_graph,
+    check_compiles,
+    ref_zero_fix,
+    resnet_batches,
+    resnet_model,
+)
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -107,8 +112,8 @@ def test_accumulation_with_buffers_equals_eager_torch_accumulation():
     """Train-mode BatchNorm: running statistics move on every micro-batch, the
     optimizer once per k; against loss / k backward() k times, the rule, opt.step()."""
     k, steps = 2, 3
-    micro = batches(k * steps)
-    ref = make_model()
+    micro = resnet_batches(k * steps)
+    ref = resnet_model()
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     groups = fg.group_by_module(ref)
     named = dict(ref.named_parameters())
@@ -122,7 +127,7 @@ def test_accumulation_with_buffers_equals_eager_torch_accumulation():
                 named[n].grad = fixed[n]
         opt.step()
 
-    model = make_model()
+    model = resnet_model()
     tx = fg.accumulate(fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.01)), k)
 
     def loss_fn(p, b, x, y):
@@ -236,7 +241,7 @@ def test_schedule_in_adam_matches_torch_and_never_recompiles():
     def factor(c):
         return float(sched(torch.tensor(float(c), dtype=torch.float64))) / 0.05
 
-    ours, theirs, _ = run_both(
+    ours, theirs, _ = adam_run_both(
         lambda: fg.adam(lr=sched),
         lambda ps: torch.optim.Adam(ps, lr=0.05),
         torch.float64,
@@ -259,7 +264,7 @@ def no_decay_on_vectors(name, p):
 @pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_decay_mask_equals_torch_param_groups(decoupled, as_dict):
-    params = init_params(torch.float64)
+    params = adam_params(torch.float64)
     decay = {k: no_decay_on_vectors(k, p) for k, p in params.items()}
     mask = decay if as_dict else no_decay_on_vectors
     names = list(params)
@@ -278,9 +283,9 @@ def test_decay_mask_equals_torch_param_groups(decoupled, as_dict):
             **kw,
         )
 
-    ours, theirs, _ = run_both(lambda: fg_opt(**kw, mask=mask), make_torch, torch.float64)
+    ours, theirs, _ = adam_run_both(lambda: fg_opt(**kw, mask=mask), make_torch, torch.float64)
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-10, atol=1e-12)
     # The mask mattered: without it the no-decay parameters end elsewhere.
-    unmasked, _, _ = run_both(lambda: fg_opt(**kw), make_torch, torch.float64)
+    unmasked, _, _ = adam_run_both(lambda: fg_opt(**kw), make_torch, torch.float64)
     assert not torch.allclose(unmasked["a.bias"], ours["a.bias"], rtol=1e-6, atol=0)

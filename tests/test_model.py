@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import SeedModel, seed_loss
+from references import SeedModel, seed_loss
 from torch import nn
 
 import funcgrad as fg

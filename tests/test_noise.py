@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import check_compiles
+from references import check_compiles
 
 import funcgrad as fg
 

@@ -10,8 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import seed_loss
-from test_step import dead_seed_model
+from references import dead_seed_model, seed_loss
 from torch import nn
 from torch._dynamo.utils import counters
 

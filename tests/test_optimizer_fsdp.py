@@ -3,10 +3,10 @@ one process on the full batch, the rule and monitor on the global group."""
 
 from __future__ import annotations
 
-import fsdp_workers as fw
 import pytest
 import torch
-from dist_workers import spawn
+from workers import fsdp_workers as fw
+from workers.dist_workers import spawn
 
 import funcgrad as fg
 

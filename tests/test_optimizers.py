@@ -16,12 +16,12 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
+from references import TWIN_STEPS, mlp, mlp_data, mse, torch_run
 
 import funcgrad as fg
 
 D = torch.float64
-STEPS = 4
+STEPS = TWIN_STEPS
 
 
 def _grid(**options):
@@ -79,43 +79,8 @@ TWINS = {
 CASES = [(name, kw) for name, (_, _, _, grid) in TWINS.items() for kw in grid]
 
 
-def mlp(dtype=D, bias=True, seed=0):
-    """Matrices and vectors of several shapes (Muon: bias=False, a tall and a wide one)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(3, 5, bias=bias), nn.Tanh(), nn.Linear(5, 4, bias=bias), nn.Tanh(),
-        nn.Linear(4, 2, bias=bias),
-    ).to(dtype)  # fmt: skip
-
-
-def data(dtype=D, n=6):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 3, generator=g, dtype=dtype), torch.randn(n, 2, generator=g, dtype=dtype)
-
-
-def mse(model):
-    def loss(p, x, y):
-        return ((fg.call(model, p, x) - y) ** 2).mean()
-
-    return loss
-
-
-def torch_run(model, opt, steps=STEPS, scheduler=None, lrs=None):
-    x, y = data(next(model.parameters()).dtype)
-    for i in range(steps):
-        if lrs is not None:
-            for g in opt.param_groups:
-                g["lr"] = lrs[i]
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-    return {n: p.detach() for n, p in model.named_parameters()}
-
-
 def fg_run(model, tx, layout="flat", steps=STEPS, lr_tensor=None, lrs=None, **step_kw):
-    x, y = data(next(model.parameters()).dtype)
+    x, y = mlp_data(next(model.parameters()).dtype)
     params = fg.params(model) if layout == "flat" else {
         n: p.detach().clone() for n, p in model.named_parameters()
     }  # fmt: skip
@@ -180,7 +145,7 @@ def test_lion_equal_to_the_paper(kw, layout):
     model = mlp()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     tx = fg.lion(lr=0.01, **kw)
-    x, y = data()
+    x, y = mlp_data()
     params = fg.params(model) if layout == "flat" else dict(start)
     state = tx.init(params)
     grads = []
@@ -255,7 +220,7 @@ def test_lion_schedule_and_mask_equal_the_paper():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     lrs = [0.01 / (1.0 + i) for i in range(STEPS)]
     tx = fg.lion(lr=lambda c: 0.01 / (1.0 + c), weight_decay=0.5, mask=lambda n, p: p.ndim > 1)
-    x, y = data()
+    x, y = mlp_data()
     params, state, grads = fg.params(model), None, []
     state = tx.init(params)
     for _ in range(STEPS):

@@ -8,14 +8,23 @@ import copy
 import re
 
 import pytest
-import shard_workers as sw
 import torch
-from conftest import assert_one_graph, assert_trees_close, check_compiles
-from test_optimizers import D, data, mlp, mse, torch_run
+from references import (
+    assert_one_graph,
+    assert_trees_close,
+    check_compiles,
+    mlp,
+    mlp_data,
+    mse,
+    torch_run,
+)
 from torch import nn
 from torch._dynamo.utils import counters
+from workers import shard_workers as sw
 
 import funcgrad as fg
+
+D = torch.float64
 
 MAKERS = {
     "sgd": lambda: fg.sgd(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
@@ -45,7 +54,7 @@ def test_update_compiles_to_one_graph_equal_to_eager(name, layout):
     params = fg.params(model)
     if layout == "dict":
         params = {k: v.detach().clone() for k, v in params.items()}
-    x, y = data()
+    x, y = mlp_data()
     g1 = torch.func.grad(mse(model))(params, x, y)
     s0 = tx.init(params)
     _, s1 = tx.update(g1, s0, params)
@@ -137,7 +146,7 @@ def test_per_sample_rule_then_optimizer_equals_a_loop(name):
     tx = MAKERS[name]()
     rule = fg.per_group(fg.rules.zero_fix(), groups)
     step = fg.make_step(loss, tx, per_sample=rule)
-    x, y = data()
+    x, y = mlp_data()
     start = _tensors(params)
     new, _, _ = step(params, tx.init(params), x, y)
     fixed = []
@@ -153,7 +162,7 @@ def test_per_sample_rule_then_optimizer_equals_a_loop(name):
 def test_accumulate_equals_the_optimizer_on_the_mean(name):
     model = _model_for(name)
     params = _tensors(fg.params(model))
-    x, y = data()
+    x, y = mlp_data()
     grads = [torch.func.grad(mse(model))(params, x[i::2], y[i::2]) for i in range(2)]
     acc = fg.accumulate(MAKERS[name](), every=2)
     state = acc.init(params)
@@ -185,7 +194,7 @@ def test_sharded_on_two_ranks_equals_one_process(tmp_path):
 def test_checkpoint_resumes_bit_for_bit(name, tmp_path):
     def steps(params, state, n):
         step = fg.make_step(mse(model), tx)
-        x, y = data()
+        x, y = mlp_data()
         for _ in range(n):
             params, state, _ = step(params, state, x, y)
         return params, state
@@ -253,7 +262,7 @@ def test_migration_from_and_to_torch_optim(name):
     inner = state.inner_states[1]
     assert int(inner.count) == (1 if name in ("sgd", "muon") else 2)  # no step in torch's
     step = fg.make_step(mse(model), tx, donate=True)
-    x, y = data(dtype)
+    x, y = mlp_data(dtype)
     for _ in range(2):
         params, state, _ = step(params, state, x, y)
     back = twin(model.parameters(), **kw)
@@ -274,7 +283,7 @@ def test_half_precision_is_computed_in_float32(name, dtype):
     tx = FG_TWINS[name](**kw)
     params = _tensors(fg.params(model))
     state = tx.init(params)
-    x, y = data(torch.float32)
+    x, y = mlp_data(torch.float32)
     for _ in range(3):
         ref = mlp(torch.float32)
         with torch.no_grad():
@@ -438,7 +447,7 @@ def test_half_precision_lion_and_muon_in_float32(name, dtype):
     tx = fg.lion(lr=0.01, weight_decay=0.1) if name == "lion" else fg.muon(lr=0.02)
     params = _tensors(fg.params(model))
     state = tx.init(params)
-    x, y = data(dtype)
+    x, y = mlp_data(dtype)
     for _ in range(3):
         g = torch.func.grad(mse(model))(params, x, y)
         p32 = {k: v.float() for k, v in params.items()}

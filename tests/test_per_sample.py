@@ -6,46 +6,18 @@ import re
 
 import pytest
 import torch
-from conftest import assert_one_graph, assert_trees_close
-from test_rules import ref_zero_fix
+from references import (
+    MIXED_BATCH,
+    assert_one_graph,
+    assert_trees_close,
+    make_mixed,
+    mixed_loss,
+    ref_zero_fix,
+)
 from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
-
-
-class Mixed(nn.Module):
-    """Embedding + tied output head + BatchNorm (eval) + dead ReLU units."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.fc = nn.Linear(6, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.out = nn.Linear(6, 11, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, idx):
-        h = torch.relu(self.fc(self.emb(idx)) - 0.3)
-        return self.out(self.bn(h))
-
-
-def make_mixed():
-    torch.manual_seed(0)
-    m = Mixed().double()
-    m.bn(torch.randn(16, 6, dtype=torch.float64))  # non-trivial running stats
-    m.eval()
-    return m
-
-
-def mixed_loss(model):
-    def loss(p, idx, target):
-        return nn.functional.cross_entropy(fg.call(model, p, idx), target)
-
-    return loss
-
-
-BATCH = (torch.tensor([1, 4, 4, 9, 0, 10, 3]), torch.tensor([2, 2, 7, 0, 5, 1, 10]))
 
 
 def loop_grads(loss, params, *batch):
@@ -61,8 +33,8 @@ def test_per_sample_grads_equal_a_python_loop():
     model = make_mixed()
     loss = mixed_loss(model)
     params = fg.params(model)
-    got = fg.per_sample_grads(loss)(params, *BATCH)
-    want = loop_grads(loss, params, *BATCH)
+    got = fg.per_sample_grads(loss)(params, *MIXED_BATCH)
+    want = loop_grads(loss, params, *MIXED_BATCH)
     assert "out.weight" not in got  # tied: one entry
     for k in want:
         assert got[k].shape == (7, *params[k].shape)
@@ -76,9 +48,9 @@ def test_per_sample_rule_then_mean_equals_loop():
     groups = fg.group_by_module(model)
     tx = fg.adam(lr=1e-2)
     step = fg.make_step(loss, tx, per_sample=fg.per_group(fg.rules.zero_fix(), groups))
-    new_params, _, got_loss = step(params, tx.init(params), *BATCH)
+    new_params, _, got_loss = step(params, tx.init(params), *MIXED_BATCH)
 
-    per = loop_grads(loss, params, *BATCH)
+    per = loop_grads(loss, params, *MIXED_BATCH)
     fixed = []
     for i in range(7):
         g = {k: v[i] for k, v in per.items()}
@@ -89,7 +61,7 @@ def test_per_sample_rule_then_mean_equals_loop():
     want, _ = tx.update(mean, tx.init(params), params)
     for k in params:
         torch.testing.assert_close(new_params[k], params[k] + want[k], rtol=1e-10, atol=1e-12)
-    per_loss = torch.stack([loss(params, *(b[i : i + 1] for b in BATCH)) for i in range(7)])
+    per_loss = torch.stack([loss(params, *(b[i : i + 1] for b in MIXED_BATCH)) for i in range(7)])
     torch.testing.assert_close(got_loss, per_loss.mean())
 
 
@@ -144,8 +116,8 @@ def test_per_sample_compiles_to_one_graph_with_inductor_equivalent_results():
     step = fg.make_step(loss, tx, per_sample=ps, compile={"backend": "aot_eager"})
     ref = fg.make_step(loss, tx, per_sample=ps)
     params = fg.params(model)
-    a = step(params, tx.init(params), *BATCH)
-    b = ref(params, tx.init(params), *BATCH)
+    a = step(params, tx.init(params), *MIXED_BATCH)
+    b = ref(params, tx.init(params), *MIXED_BATCH)
     assert_trees_close(a, b, rtol=1e-6, atol=1e-7)
     assert_one_graph()
 

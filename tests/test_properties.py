@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_rules import ref_zero_fix
+from references import ref_zero_fix
 
 import funcgrad as fg
 from funcgrad import rules

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SeedModel, assert_trees_close, check_compiles, seed_loss
-from resume_worker import run, setup
-from test_rules import ref_zero_fix
+from references import SeedModel, assert_trees_close, check_compiles, ref_zero_fix, seed_loss
 from torch import nn
+from workers.resume_worker import run, setup
 
 import funcgrad as fg
 
@@ -28,7 +27,9 @@ def test_resume_in_a_fresh_process_is_bit_for_bit(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
     for args in (["save", "5", ckpt], ["resume", "8", ckpt]):
         subprocess.run(
-            [sys.executable, str(HERE / "resume_worker.py"), *args], check=True, timeout=300
+            [sys.executable, str(HERE / "workers" / "resume_worker.py"), *args],
+            check=True,
+            timeout=300,
         )
     got = torch.load(ckpt + ".final", weights_only=True)
     for k, v in want_params.items():

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import check_compiles
+from references import check_compiles, ref_zero_fix
 
 from funcgrad import rules
 
@@ -34,21 +34,6 @@ def make_group(kind: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 KINDS = ["all_zero", "some_zero", "one_nonzero", "none_zero", "nonfinite"]
-
-
-def ref_zero_fix(group, all_zero=1.0, zero=0.5):
-    """The seed's rule, written the obvious (host-branching) way."""
-    if all(bool((t == 0).all()) for t in group.values()):
-        return {k: torch.full_like(t, all_zero) for k, t in group.items()}
-    out = {}
-    for k, t in group.items():
-        t = t.clone()
-        flat = t.view(-1)
-        for i in range(flat.numel()):
-            if flat[i].item() == 0.0:
-                flat[i] = zero
-        out[k] = t
-    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import shard_workers as sw
 import torch
 import torch.multiprocessing as mp
+from workers import shard_workers as sw
 
 import funcgrad as fg
 from funcgrad import _shard, rules

@@ -7,22 +7,17 @@ import re
 
 import pytest
 import torch
-from conftest import SeedModel, assert_one_graph, assert_trees_close, seed_loss
-from test_rules import ref_zero_fix
+from references import (
+    SeedModel,
+    assert_one_graph,
+    assert_trees_close,
+    dead_seed_model,
+    ref_zero_fix,
+    seed_loss,
+)
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
-
-
-def dead_seed_model(dtype=torch.float64) -> SeedModel:
-    """The seed model with fc1 dead (all its grads are exactly zero) and fc2 partly
-    dead, so both branches of the rule are taken every step."""
-    torch.manual_seed(3)
-    m = SeedModel().to(dtype)
-    with torch.no_grad():
-        m.fc1.bias.fill_(-10.0)  # ReLU(fc1(x)) == 0 for x in [0, 1): fc1 gets no gradient
-        m.fc1.weight.fill_(0.5)
-    return m
 
 
 def reference_run(model: SeedModel, x: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:

@@ -6,8 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import check_compiles
-from test_rules import ref_zero_fix
+from references import check_compiles, ref_zero_fix
 
 import funcgrad as fg
 

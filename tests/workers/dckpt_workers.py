@@ -11,13 +11,13 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-import fsdp_workers as fw
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import funcgrad as fg
 from funcgrad._tree import leaves_with_paths
+from workers import fsdp_workers as fw
 
 
 def snapshot(m, opt) -> dict[str, torch.Tensor]:

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint
-from dist_workers import spawn
 from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
 from funcgrad import _rule_base, _shard
+from workers.dist_workers import spawn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 STEPS = 6
 BATCH = 12  # divisible by 1, 2 and 3 ranks
