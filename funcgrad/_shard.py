@@ -403,11 +403,25 @@ def sharded(
             "inputs, pass fg.sharded(tx, assume_shardable=True)."
         )
 
-    class State_(ShardedState):
-        __slots__ = ()
-        layout: Layout | None = None
+    # The layout (rows per rank, process group, whole shapes) is fixed per state class:
+    # one class per distinct layout, made on first use and reused, so the layout
+    # travels in each state's type (its pytree metadata) and never changes under a
+    # state. An equal layout gives the same class: a compiled step guards on the
+    # type, so a second init (fg.load_state_dict) does not recompile.
+    classes: dict[tuple[Any, ...], type[ShardedState]] = {}
 
-    State_.__name__ = State_.__qualname__ = "ShardedState"
+    def state_class(layout: Layout) -> type[ShardedState]:
+        key = _key(layout)
+        cls = classes.get(key)
+        if cls is None:
+
+            class State_(ShardedState):
+                __slots__ = ()
+
+            State_.layout = layout  # type: ignore[attr-defined]
+            State_.__name__ = State_.__qualname__ = "ShardedState"
+            cls = classes[key] = State_
+        return cls
 
     def init(params: Params) -> ShardedState:
         _initialized("fg.sharded.init")
@@ -415,12 +429,8 @@ def sharded(
         ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
         kinds, whole_state = _leaf_layout(tx, params)
         _check_same_on_all_ranks(ranks, _signature(params, whole_state))
-        new = Layout(ranks, kinds, params_device(params))
-        if State_.layout is None or _key(State_.layout) != _key(new):
-            # Kept when equal: a compiled step guards on it, so a second init (e.g.
-            # by fg.load_state_dict) must not cause a recompile.
-            State_.layout = new
-        return State_(tx.init(State_.layout.ranks.local(params)))
+        cls = state_class(Layout(ranks, kinds, params_device(params)))
+        return cls(tx.init(cls.layout.ranks.local(params)))  # type: ignore[attr-defined]
 
     def update(
         grads: Params, state: ShardedState, params: Params | None = None

@@ -28,3 +28,16 @@ if os.environ.get("FUNCGRAD_FAST"):
 def seed_model() -> SeedModel:
     torch.manual_seed(0)
     return SeedModel()
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one rank in this process (gloo), for fg.sharded and
+    fg.all_reduce_mean without spawning."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

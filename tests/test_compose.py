@@ -473,17 +473,6 @@ def test_compiled_meta_gradient_with_the_chain_built_inside():
     )
 
 
-@pytest.fixture
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("who", ["fg.all_reduce_mean", "fg.sharded"])
 def test_collectives_under_transforms_are_a_clear_error(one_rank, who):
     """Collectives have no derivative and no batching rule here: a clear error under

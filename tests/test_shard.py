@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
 from workers import shard_workers as sw
 
 import funcgrad as fg
@@ -264,3 +265,42 @@ def test_the_ranks_in_force_are_per_thread():
         assert rb.shards() is marker
     t.join(5)
     assert seen == [None] and rb.shards() is None
+
+
+def test_a_state_keeps_its_layout_when_the_transformation_is_initialized_again(one_rank):
+    """The rows layout lives in each state's type, one class per distinct layout: a
+    second init for other parameters makes a state of its own and leaves the first
+    one's layout alone (it used to re-point a class attribute shared by both, and the
+    first state's next update was refused); an equal layout gives the same class, so
+    a compiled step does not recompile after fg.load_state_dict."""
+    D = torch.float64
+    tx = fg.sharded(fg.adam(lr=0.1))
+    small = {"w": torch.tensor([1.0, -2.0], dtype=D)}
+    large = {"w": torch.arange(6, dtype=D).reshape(3, 2), "b": torch.ones(3, dtype=D)}
+    s_small = tx.init(small)
+    s_large = tx.init(large)
+    assert type(s_small) is not type(s_large)
+    assert type(tx.init(small)) is type(s_small)
+    g = {"w": torch.tensor([0.5, 0.0], dtype=D)}
+    got, _ = tx.update(g, s_small, small)
+    want, _ = fg.adam(lr=0.1).update(g, fg.adam(lr=0.1).init(small), small)
+    torch.testing.assert_close(got["w"], want["w"], rtol=0, atol=0)
+    gl = {k: torch.full_like(v, 0.25) for k, v in large.items()}
+    got, _ = tx.update(gl, s_large, large)
+    want, _ = fg.adam(lr=0.1).update(gl, fg.adam(lr=0.1).init(large), large)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    def loss(p, x):
+        return (p["w"] * x).sum() ** 2
+
+    step = fg.make_step(loss, tx, compile={"backend": "aot_eager"}, donate=True)
+    params = {"w": torch.tensor([1.0, -2.0], dtype=D)}
+    state = tx.init(params)
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.tensor([0.5, 1.5], dtype=D)
+    params, state, _ = step(params, state, x)
+    state = fg.load_state_dict(tx, params, fg.state_dict(state))  # a second init inside
+    tx.init(large)  # another layout made meanwhile changes nothing for this state
+    params, state, _ = step(params, state, x)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
