@@ -28,7 +28,7 @@ from . import _dcheckpoint as dckpt
 from ._base import GradientTransformation, Params, State, check_floating, describe
 from ._flat import layout_of, like
 from ._optimizer import Optimizer
-from ._shard import contains_sharded
+from ._shard import ShardedState
 from ._state import load_state_dict, state_dict
 from ._tree import commit, names_mismatch
 
@@ -83,13 +83,14 @@ def save_checkpoint(path: str | os.PathLike[str], params: Any, state: Any, **ext
         dckpt.save(Path(path), tree, extra, who)
         return
     check_floating(params, "fg.save_checkpoint: params")
-    if contains_sharded(state):
-        tree = {"params": dict(params), "state": state_dict(state)}
+    saved = state_dict(state)  # refuses a ShardedState nested inside another state
+    if isinstance(state, ShardedState):  # rows per rank: torch.distributed.checkpoint
+        tree = {"params": dict(params), "state": saved}
         dckpt.save(Path(path), tree, extra, who)
         return
     payload = {
         "params": {k: v.detach().clone() for k, v in params.items()},
-        "state": state_dict(state),
+        "state": saved,
         "extra": extra,
     }
     buf = io.BytesIO()

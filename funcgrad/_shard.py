@@ -5,7 +5,8 @@ Each tensor is split along its first dimension the way ``torch.chunk`` (and so
 ``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``; a 0-d tensor counts as one
 row. Rows keep the trailing shape, so a rank's piece of a ``(out, in)`` weight is a
 ``(rows, in)`` matrix, and a checkpoint can describe it as a ``DTensor`` of the full
-shape (``torch.distributed.checkpoint`` then reshards it to any number of ranks).
+shape (``torch.distributed.checkpoint`` then reshards it to any number of ranks;
+``funcgrad/_shard_checkpoint.py``).
 
 One step, per rank:
 
@@ -28,7 +29,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeVar
 
-import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -463,94 +463,3 @@ def _same_shapes(ranks: Ranks, grads: Params) -> bool:
     return grads.keys() == ranks.rows.keys() and all(
         tuple(g.shape) == ranks.rows[k].shape for k, g in grads.items()
     )
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-def _layout_of(state: ShardedState, who: str) -> Layout:
-    layout: Layout | None = getattr(type(state), "layout", None)
-    if layout is None:
-        raise ValueError(f"{who}: this ShardedState was not made by fg.sharded(...).init.")
-    return layout
-
-
-def checkpoint_view(state: ShardedState) -> State:
-    """``state.inner`` with each row-split leaf as a ``DTensor`` of its whole shape
-    (``Shard(0)`` over the group), for ``torch.distributed.checkpoint``; a leaf of a 0-d
-    parameter is gathered to every rank as a plain 0-d tensor. Collective."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    layout = _layout_of(state, "fg.state_dict")
-    ranks = layout.ranks
-    _, leaves, spec = flatten(state.inner)
-    if len(leaves) != len(layout.whole):
-        raise ValueError("fg.state_dict: the ShardedState does not match its layout.")
-    mesh = DeviceMesh.from_group(ranks.pg, layout.device.type)
-    out: list[Any] = []
-    for leaf, whole in zip(leaves, layout.whole, strict=True):
-        if whole is None:
-            out.append(leaf)
-        elif len(whole) == 0:  # a 0-d parameter's: rank 0 holds its one row
-            value = leaf.reshape(()).clone() if ranks.rank == 0 else leaf.new_empty(())
-            dist.broadcast(value, group_src=0, group=ranks.group)
-            out.append(value)
-        else:
-            stride = torch.empty(whole, device="meta").stride()
-            out.append(
-                DTensor.from_local(
-                    leaf.contiguous(),
-                    mesh,
-                    [Shard(0)],
-                    run_check=False,
-                    shape=torch.Size(whole),
-                    stride=stride,
-                )
-            )
-    return optree.tree_unflatten(spec, out)
-
-
-def whole_template(state: ShardedState) -> tuple[State, Callable[[State], ShardedState]]:
-    """The unsharded shape of ``state.inner`` (row-split leaves as ``meta`` tensors of
-    their whole shapes), and the function that cuts a loaded whole state back to this
-    rank's rows."""
-    layout = _layout_of(state, "fg.load_state_dict")
-    rank, world = layout.ranks.rank, layout.ranks.world
-    _, leaves, spec = flatten(state.inner)
-    template = [
-        leaf if whole is None else torch.empty(whole, dtype=leaf.dtype, device="meta")
-        for leaf, whole in zip(leaves, layout.whole, strict=True)
-    ]
-
-    def cut(whole_state: State) -> ShardedState:
-        _, loaded, _ = flatten(whole_state)
-        mine = [
-            value if whole is None else Rows(whole, rank, world).local(value).clone()
-            for value, whole in zip(loaded, layout.whole, strict=True)
-        ]
-        return type(state)(optree.tree_unflatten(spec, mine))
-
-    return optree.tree_unflatten(spec, template), cut
-
-
-def contains_sharded(tree: Any) -> bool:
-    """Whether a state holds a :class:`ShardedState` anywhere."""
-    if isinstance(tree, ShardedState):
-        return True
-    if isinstance(tree, Mapping):
-        return any(contains_sharded(v) for v in tree.values())
-    if isinstance(tree, (tuple, list)):
-        return any(contains_sharded(v) for v in tree)
-    return False
-
-
-def full_tensors(tree: Any) -> Any:
-    """Replace every ``DTensor`` in a nested dict by its whole tensor (collective)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, DTensor):
-        return tree.full_tensor()
-    if isinstance(tree, Mapping):
-        return {k: full_tensors(v) for k, v in tree.items()}
-    return tree

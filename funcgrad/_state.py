@@ -20,13 +20,8 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, params_device
 from ._invariants import check_invariants
-from ._shard import (
-    ShardedState,
-    checkpoint_view,
-    contains_sharded,
-    full_tensors,
-    whole_template,
-)
+from ._shard import ShardedState
+from ._shard_checkpoint import checkpoint_view, contains_sharded, full_tensors, whole_template
 from ._tree import flatten, names_mismatch
 
 _PLAIN = (bool, int, float, str)

@@ -20,7 +20,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
-from funcgrad import _rule_base, _shard
+from funcgrad import _rule_base, _shard, _shard_checkpoint
 from workers.dist_workers import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -297,7 +297,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         if mode == "save":
             params, state = train(m, tx, step, rank, world, steps=range(NAN_STEP + 1))
             fg.save_checkpoint(os.path.join(out, "ckpt"), params, state, step=NAN_STEP + 1)
-            result["saved_state"] = _shard.full_tensors(fg.state_dict(state))
+            result["saved_state"] = _shard_checkpoint.full_tensors(fg.state_dict(state))
             params, state = train(
                 m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
             )
@@ -305,7 +305,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             params = fg.params(m)
             params, state, extra = fg.load_checkpoint(os.path.join(out, "ckpt"), tx, params)
             assert extra == {"step": NAN_STEP + 1}
-            result["loaded_state"] = _shard.full_tensors(fg.state_dict(state))
+            result["loaded_state"] = _shard_checkpoint.full_tensors(fg.state_dict(state))
             params, state = train(
                 m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
             )
