@@ -1,4 +1,5 @@
-"""What the example scripts share: checking the output directory up front."""
+"""What the example scripts share: the --help formatter, checking the output directory
+up front, and the one-line summary each prints last."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def check_out_dir(ap: argparse.ArgumentParser, out: Path) -> None:
         probe.unlink()
     except OSError as err:
         ap.error(f"cannot write to --out {str(out)!r}: {err.strerror}. Pick a writable directory.")
+
+
+def summary(example: str, **figures: float | int | str) -> str:
+    """Print, and return, the example's last line: ``summary NAME: key=value, ...``.
+
+    One line per run, in the same form for every example, so that a reader can
+    compare a run with the figures in ``docs/examples.md`` (floats to 4 significant
+    digits)."""
+    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()]
+    line = f"summary {example}: {', '.join(parts)}"
+    print(line)
+    return line

@@ -59,7 +59,7 @@ if __name__ == "__main__":  # --help answers before torch is imported
 
 
 import torch
-from _cli import check_out_dir
+from _cli import check_out_dir, summary
 from hook_answer import attach_hook_answer
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -278,14 +278,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(results))
     png = args.out / "binarized_digits.png"
     plot(results, png)
-    summary = [{k: v for k, v in r.items() if k not in ("losses", "zero_curve")} for r in results]
+    rows = [{k: v for k, v in r.items() if k not in ("losses", "zero_curve")} for r in results]
     for r in results:
         below = ", ".join(f"{n} {f:.2f}" for n, f in r["latent_below_minus_1"].items())
         print(f"{r['kind']:10s} fraction of latent weights below -1 at the end: {below}")
     js = args.out / "binarized_digits.json"
-    js.write_text(json.dumps(summary, indent=2))
+    js.write_text(json.dumps(rows, indent=2))
     print(f"\nfigure: {png.resolve()}\ntable as JSON: {js.resolve()}")
-    return {"results": summary, "png": str(png)}
+    acc = {f"test_acc_{r['kind']}": r["test_acc"] for r in results}
+    summary("binarized_digits", seed=args.seed, **acc)
+    return {"results": rows, "png": str(png)}
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ if __name__ == "__main__":  # --help answers before torch is imported
 
 
 import torch
-from _cli import check_out_dir
+from _cli import check_out_dir, summary
 from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     png = args.out / "char_gpt.png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
-    summary = {
+    result = {
         "updates": int(state.inner["adamw"].count),
         "train_loss": sum(losses[-20:]) / min(20, len(losses)),
         "val_loss": val,
@@ -232,9 +232,16 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": elapsed,
         "sample": text_out,
     }
-    (args.out / "char_gpt.json").write_text(json.dumps(summary, indent=2))
+    (args.out / "char_gpt.json").write_text(json.dumps(result, indent=2))
     print(f"\nfigure: {png.resolve()}")
-    return {**summary, "png": str(png)}
+    summary(
+        "char_gpt",
+        updates=result["updates"],
+        train_loss=result["train_loss"],
+        val_loss=val,
+        uniform_loss=result["uniform_loss"],
+    )
+    return {**result, "png": str(png)}
 
 
 if __name__ == "__main__":

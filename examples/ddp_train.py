@@ -24,7 +24,7 @@ import gc
 import os
 from datetime import timedelta
 
-from _cli import ShowDefaults
+from _cli import ShowDefaults, summary
 
 
 def parser() -> argparse.ArgumentParser:
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> float:
         dist.destroy_process_group()
     if rank == 0:
         print(f"{world} rank(s); parameters identical on all ranks; train accuracy {acc:.3f}")
+        summary("ddp_train", ranks=world, sharded=str(args.sharded), train_acc=acc)
     return acc
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _cli import ShowDefaults
+from _cli import ShowDefaults, summary
 
 
 def parser() -> argparse.ArgumentParser:
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with torch.no_grad():
         acc = (model(Xte).argmax(1) == yte).float().mean().item()
     print(f"test accuracy {acc:.3f} after {args.epochs} epochs ({time.perf_counter() - t0:.1f} s)")
+    summary("dp_sgd", epochs=args.epochs, test_acc=acc, loss=loss.item())
     return {"test_accuracy": acc, "loss": loss.item()}
 
 

@@ -18,7 +18,7 @@ import copy
 import time
 from typing import Any
 
-from _cli import ShowDefaults
+from _cli import ShowDefaults, summary
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -134,6 +134,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"test accuracy: members {float(member_acc.min()):.3f}-{float(member_acc.max()):.3f} "
         f"(mean {result['member_acc_mean']:.3f}), ensemble {ens_acc:.3f}"
+    )
+    summary(
+        "ensemble",
+        models=args.models,
+        max_param_diff=diff,
+        member_acc_mean=result["member_acc_mean"],
+        ensemble_acc=ens_acc,
+        vmapped_over_loop_speed=result["vmapped_model_steps_per_s"]
+        / result["loop_model_steps_per_s"],
     )
     return result
 

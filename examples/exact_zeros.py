@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 
-from _cli import ShowDefaults
+from _cli import ShowDefaults, summary
 
 
 def parser() -> argparse.ArgumentParser:
@@ -159,6 +159,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
         for tensor in by_atol["atol=0"]:
             a, b = by_atol["atol=0"][tensor], by_atol["atol=1e-12"][tensor]
             print(f"{name:10s} {tensor:22s} {a:10.2e} {b:11.2e}")
+    worst = {
+        f"{name.replace('+', '_')}_{'atol0' if atol == 'atol=0' else 'atol1e-12'}": max(d.values())
+        for name, by_atol in results.items()
+        for atol, d in by_atol.items()
+    }
+    summary("exact_zeros", steps=args.steps, **worst)
     return results
 
 

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with torch.no_grad():
         acc = float((module.net(x[test]).argmax(1) == y[test]).float().mean())
     print(f"test accuracy {acc:.3f} after {steps} steps (Lightning + fg.Optimizer + cosine lr)")
+    from _cli import summary
+
+    summary("lightning_fit", steps=steps, test_acc=acc)
     return {"accuracy": acc}
 
 

@@ -186,6 +186,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{'compiled' if args.compile else 'eager'})"
     )
     result["png"] = str(plot(args, adapt, net, p_meta, lr, xs, ys, amp, phase))
+    from _cli import summary
+
+    summary(
+        "maml_sine",
+        iterations=args.iterations,
+        query_mse_adapted=result["adapted"],
+        not_adapted=result["not_adapted"],
+        random_init_adapted=result["random_init_adapted"],
+        inner_lr=result["inner_lr"],
+    )
     return result
 
 

@@ -51,7 +51,7 @@ if __name__ == "__main__":  # --help answers before torch is imported
 
 
 import torch
-from _cli import check_out_dir
+from _cli import check_out_dir, summary
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -257,10 +257,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(results))
     png = args.out / "resnet_digits.png"
     plot(results, png)
-    summary = [{k: v for k, v in r.items() if k not in ("losses", "lrs")} for r in results]
-    (args.out / "resnet_digits.json").write_text(json.dumps(summary, indent=2))
+    rows = [{k: v for k, v in r.items() if k not in ("losses", "lrs")} for r in results]
+    (args.out / "resnet_digits.json").write_text(json.dumps(rows, indent=2))
     print(f"\nfigure: {png.resolve()}")
-    return {"results": summary, "png": str(png)}
+    torch_run, fg_run = results
+    summary(
+        "resnet_digits",
+        test_acc_torch_optim=torch_run["test_acc"],
+        test_acc_funcgrad=fg_run["test_acc"],
+        steps_per_s_ratio=fg_run["steps_per_s"] / torch_run["steps_per_s"],
+    )
+    return {"results": rows, "png": str(png)}
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from _cli import ShowDefaults
+from _cli import ShowDefaults, summary
 
 
 def parser() -> argparse.ArgumentParser:
@@ -142,6 +142,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"gradients differ from the intended rule in {total_bad} of {n} steps "
         f"({total_layer} of {3 * n} layer-steps).\n"
         f"Mean final loss: hook answer {loss_hook:.4f}, funcgrad (intended rule) {loss_fg:.4f}."
+    )
+    summary(
+        "seed_rule",
+        seeds=args.seeds,
+        bad_steps=f"{total_bad}/{n}",
+        bad_layer_steps=f"{total_layer}/{3 * n}",
+        loss_hook=loss_hook,
+        loss_funcgrad=loss_fg,
     )
     return {
         "bad_steps": total_bad,

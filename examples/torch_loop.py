@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with torch.no_grad():
         acc = float((model(x[test]).argmax(1) == y[test]).float().mean())
     print(f"test accuracy {acc:.3f} after {steps} steps (fg.Optimizer + OneCycleLR + GradScaler)")
+    from _cli import summary
+
+    summary("torch_loop", steps=steps, test_acc=acc, loss=float(loss.detach()))
     return {"accuracy": acc, "loss": float(loss.detach())}
 
 

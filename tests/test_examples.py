@@ -14,10 +14,26 @@ import dp_sgd
 import seed_rule
 
 
+def summary_of(text: str, example: str) -> dict[str, str]:
+    """The example's last line, ``summary NAME: key=value, ...``, as a dict."""
+    last = text.rstrip().splitlines()[-1]
+    prefix = f"summary {example}: "
+    assert last.startswith(prefix), f"the last line is not {example}'s summary: {last!r}"
+    return dict(part.split("=", 1) for part in last[len(prefix) :].split(", "))
+
+
+def close(shown: str, value: float) -> bool:
+    """``shown`` is ``value`` to the 4 significant digits of a summary line."""
+    return float(shown) == pytest.approx(value, rel=1e-3, abs=1e-12)
+
+
 def test_seed_rule_example_shows_the_hook_mismatch(capsys):
     out = seed_rule.main(["--steps", "2", "--seeds", "3", "--summary-steps", "5"])
     text = capsys.readouterr().out
     assert "hook differs from the rule in" in text
+    line = summary_of(text, "seed_rule")
+    assert line["bad_steps"] == f"{out['bad_steps']}/15"
+    assert close(line["loss_funcgrad"], out["loss_funcgrad"])
     assert out["steps"] == 15
     # The hook answer skips the rule for the first parameter of a layer every step.
     assert out["bad_steps"] > 0
@@ -32,7 +48,9 @@ def test_seed_rule_example_rejects_bad_input():
 def test_dp_sgd_example_learns(capsys):
     out = dp_sgd.main(["--epochs", "2", "--no-compile"])
     assert out["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
-    assert "test accuracy" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "test accuracy" in text
+    assert close(summary_of(text, "dp_sgd")["test_acc"], out["test_accuracy"])
 
 
 def test_ddp_example_runs_on_two_ranks_replicated_and_sharded():
@@ -52,6 +70,8 @@ def test_ddp_example_runs_on_two_ranks_replicated_and_sharded():
         )
         assert out.returncode == 0, out.stderr[-2000:]
         assert "2 rank(s); parameters identical on all ranks" in out.stdout
+        line = summary_of(out.stdout, "ddp_train")
+        assert line["ranks"] == "2" and line["sharded"] == str(bool(extra))
         runs[bool(extra)] = out.stdout
     # The same training either way. Adam state for 9,610 float32 parameters: mu + nu =
     # 75.1 KiB per rank replicated; sharded, each rank holds its half of the rows.
@@ -69,6 +89,9 @@ def test_binarized_demo_smoke(tmp_path, capsys):
     out = binarized_digits.main(["--epochs", "1", "--hidden", "16", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "train acc" in text and "funcgrad" in text
+    line = summary_of(text, "binarized_digits")
+    for r in out["results"]:
+        assert close(line[f"test_acc_{r['kind']}"], r["test_acc"])
     assert Path(out["png"]).stat().st_size > 10_000
     assert (tmp_path / "binarized_digits.json").exists()
     kinds = [r["kind"] for r in out["results"]]
@@ -115,6 +138,8 @@ def test_resnet_digits_example_compiled_smoke(tmp_path, capsys):
     out = resnet_digits.main(["--epochs", "3", "--width", "4", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "torch.optim" in text and "funcgrad" in text and "fg.monitor" in text
+    line = summary_of(text, "resnet_digits")
+    assert close(line["test_acc_funcgrad"], out["results"][1]["test_acc"])
     assert Path(out["png"]).stat().st_size > 10_000
     assert [r["kind"] for r in out["results"]] == ["torch.optim", "funcgrad"]
     for r in out["results"]:
@@ -130,6 +155,8 @@ def test_char_gpt_example_smoke(tmp_path, capsys):
     assert out["updates"] == 4  # 8 micro-batches, accumulated 2 by 2
     assert out["sample"].startswith("def ") and len(out["sample"]) == 24
     assert "blocks.0" in text and "zero frac" in text
+    line = summary_of(text, "char_gpt")
+    assert line["updates"] == "4" and close(line["val_loss"], out["val_loss"])
     assert math.isfinite(out["val_loss"])
 
 
@@ -149,7 +176,11 @@ def test_exact_zeros_example_shows_the_trap_and_the_tolerance(capsys):
     import exact_zeros
 
     res = exact_zeros.main(["--steps", "3"])
-    assert "in_proj_bias" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "in_proj_bias" in text
+    line = summary_of(text, "exact_zeros")
+    assert close(line["attention_atol0"], max(res["attention"]["atol=0"].values()))
+    assert close(line["conv_bn_atol1e-12"], max(res["conv+bn"]["atol=1e-12"].values()))
     for model, tensor in (("attention", "attn.in_proj_bias"), ("conv+bn", "conv.bias")):
         # Exact-zero tests: the compiled step and eager torch disagree on this tensor ...
         assert res[model]["atol=0"][tensor] > 1e-3
@@ -163,6 +194,7 @@ def test_maml_sine_example_adapts(tmp_path, capsys):
     out = maml_sine.main(["--iterations", "40", "--test-tasks", "20", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     assert "held-out tasks (20)" in text
+    assert close(summary_of(text, "maml_sine")["query_mse_adapted"], out["adapted"])
     for key in ("adapted", "not_adapted", "random_init_adapted", "inner_lr"):
         assert math.isfinite(out[key]), key
     # three inner steps on the support points lower the query loss of the meta-init
@@ -174,7 +206,9 @@ def test_ensemble_example_matches_the_loop(capsys):
     import ensemble
 
     out = ensemble.main(["--models", "3", "--steps", "20", "--hidden", "16"])
-    assert "largest parameter difference" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "largest parameter difference" in text
+    assert close(summary_of(text, "ensemble")["ensemble_acc"], out["ensemble_acc"])
     assert out["max_param_diff"] < 1e-4  # float32: vmapped kernels round differently
     assert out["ensemble_acc"] > 0.5 and out["member_acc_mean"] > 0.5
 
@@ -221,6 +255,7 @@ def test_torch_loop_example_trains_with_scheduler_and_scaler(capsys):
     out = torch_loop.main(["--epochs", "3"])
     text = capsys.readouterr().out
     assert "fg.Optimizer + OneCycleLR + GradScaler" in text
+    assert close(summary_of(text, "torch_loop")["test_acc"], out["accuracy"])
     assert out["accuracy"] > 0.3  # chance is 0.1
 
 
