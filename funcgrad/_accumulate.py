@@ -12,10 +12,8 @@ micro-step does not run ``tx``. Under ``torch.compile`` both are computed and
 unused branch, but in torch 2.13 its branches may neither return nor write their
 inputs ("Higher order ops do not support aliasing / input mutation"), so the
 non-final branch must copy the inner state, and those copies cost more than the
-update they save: on the 33.6M-parameter update-heavy benchmark a non-final
-micro-step took 3.4x a plain compiled step with ``torch.cond`` and 1.16–1.65x (over
-runs) with ``torch.where`` (``benchmarks/bench_step.py``; the update there is memory-bound, so
-what counts is bytes moved, not Adam's arithmetic).
+update they save (docs/compile-notes.md: the update is memory-bound, so what counts
+is bytes moved, not Adam's arithmetic).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ buffers instead of one tensor per parameter:
   read ``mu['fc1.weight']`` and a checkpoint has today's names and shapes (loaded
   back into the flat layout).
 
-Why: ``torch.compile`` generates and compiles code per tensor, so a step over 40
-small layers took 4.4x the gradients' own compile with one tensor per parameter
-(``benchmarks/study_flat_state.py``); Adam over three flat buffers is one kernel.
+Why: ``torch.compile`` generates and compiles code per tensor, so a step over many
+small layers compiled several times as long as its gradients with one tensor per
+parameter (docs/compile-notes.md); Adam over three flat buffers is one kernel.
 
 :func:`funcgrad.params` builds it from a module and makes the module's parameters
 views of its buffers (``param.data = view``), so the module and the dict stay one

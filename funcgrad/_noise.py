@@ -50,7 +50,7 @@ def normal_noise(key: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
             "counter (at most 2**31 - 1 elements per parameter)."
         )
     # Nested mixers would be inlined by inductor into one expression tree that
-    # doubles with every xor-shift (a 95 s compile, measured); a Weyl sequence keeps
+    # doubles with every xor-shift (docs/compile-notes.md); a Weyl sequence keeps
     # the per-element tree small, and the 0-d key is computed once (realize).
     n = torch.arange(numel, dtype=torch.int64, device=key.device) * 2
     a = mix32((key + n * _WEYL) & _M32)

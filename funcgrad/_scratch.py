@@ -2,8 +2,9 @@
 
 On the CPU a fresh tensor of more than 128 KiB is a fresh ``mmap``: the first write
 to each page faults. An eager Adam update that allocates its results every step (new
-moments, the update, temporaries) measured 7.2 ms on the 660k-parameter MLP, against
-1.3 ms for the same operations writing into buffers kept from the previous step. A
+moments, the update, temporaries) took several times as long as the same operations
+writing into buffers kept from the previous step (docs/compile-notes.md, "Figures
+behind the code"). A
 donated step copies every result into the given tensors at commit, after which the
 results are dead: :class:`Scratch` keeps them for the next step. Only code that runs
 inside :func:`lending` (the eager donated step) borrows, and only for CPU tensors

@@ -23,7 +23,7 @@ nothing, an interrupted step is applied whole or not at all, and params and stat
 never left half-updated. What the compiled step does not cover: an exception raised
 *inside* a custom transformation at run time, after writes began (funcgrad's own
 transformations have no run-time failure); a two-phase write for that would cost a
-second pass over everything (measured: 7.5x the update-heavy step).
+second pass over everything (docs/compile-notes.md, "Figures behind the code").
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ def _autograd_gradients(
 ) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
     """The same as :func:`_gradients` (without ``per_sample``), by plain autograd.
 
-    Eagerly, ``torch.func.grad`` wraps every tensor and pytree on each call: at 1,000
-    layers its gradients took 1.7x and at 10 layers 2.1x the time of
-    ``torch.autograd.grad`` over the same ``fg.call`` (same values, bit for bit: it
-    runs the same autograd engine). The eager step uses this once the first call
+    Eagerly, ``torch.func.grad`` wraps every tensor and pytree on each call, which
+    costs about twice the time of ``torch.autograd.grad`` over the same ``fg.call``
+    (docs/compile-notes.md; the same values, bit for bit: it runs the same autograd
+    engine). The eager step uses this once the first call
     with the inputs' structure has run through ``torch.func`` (whose checks give the
     clear errors: output not a scalar, aux, a write to a captured tensor). Writes to
     a module's own buffers are caught on both paths: the eager step runs under
