@@ -1,7 +1,10 @@
 """Training steps: gradients, transformation and update as one pure function.
 
-``make_step`` builds ``step(params, state, *batch) -> (params, state, loss)`` from
-three parts, each a function of its own:
+``make_step`` builds ``step(params, state, *batch) -> (params, state, loss)``: it
+checks its arguments, then dispatches to one of three step builders and wraps what it
+returns in the one step function that runs the checks and explains errors.
+
+What the builders share (:func:`_core`, and the checks in ``make_step``):
 
 - :class:`funcgrad._checks.Checks`: everything that needs Python (names, structure,
   batch arity, donation safety) runs before tracing, so the traced step is pure
@@ -9,14 +12,15 @@ three parts, each a function of its own:
 - :func:`_gradients`: ``torch.func.grad`` of the loss, or per-sample gradients
   (built from the same vmapped function as ``fg.per_sample_grads``, in
   ``_per_sample.py``);
-- ``compute``: ``tx.update`` + ``apply_updates``, a pure function;
-- with ``donate=True``: eagerly, :func:`funcgrad._tree.commit` writes every result
-  into the given tensors afterwards, in one multi-tensor copy; compiled, the graph
-  writes them itself, each write made to depend on every gradient
-  (:func:`_after_gradients`), with Ctrl-C held back while the graph runs.
+- ``compute``: ``tx.update`` + ``apply_updates``, a pure function.
 
-With ``compile="gradients"`` only the gradient function is compiled (a graph that
-writes nothing); ``compute`` and the commit run as in the eager step.
+The builders: :func:`_eager_step` (``compile=False``): with ``donate=True``,
+:func:`funcgrad._tree.commit` writes every result into the given tensors afterwards,
+in one multi-tensor copy; :func:`_compiled_step` (``compile=True``): the graph writes
+them itself, each write made to depend on every gradient (:func:`_after_gradients`),
+with Ctrl-C held back while the graph runs; :func:`_gradients_step`
+(``compile="gradients"``): the gradient function compiled (a graph that writes
+nothing), the rest as in the eager step.
 
 So a step whose forward or backward raises (eagerly: anything in the step) changes
 nothing, an interrupted step is applied whole or not at all, and params and state are
@@ -31,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -149,9 +153,149 @@ def _after_gradients(grads: Params, old: Any, new: Any) -> Any:
     return tree_map(lambda o, n: torch.where(never, o, n), old, new)
 
 
+class _Core(NamedTuple):
+    """What the three step builders share: the gradient function (traced), the pure
+    step's pieces, and the options that decide how results are written."""
+
+    gradients: Callable[..., tuple[Params, Tensor, Any, Any]]
+    compute: Callable[..., Any]
+    pure_step: Callable[..., tuple[Any, ...]]
+    donate: bool
+    buffers: bool
+    per_sample: bool
+
+
+def _core(
+    loss_fn: LossFn,
+    tx: GradientTransformation,
+    has_aux: bool,
+    per_sample: GradientTransformation | None,
+    donate: bool,
+    buffers: bool,
+) -> _Core:
+    gradients = _gradients(loss_fn, has_aux, per_sample, buffers)
+
+    def compute(
+        grad_fn: Callable[..., Any],
+        params: Params,
+        state: State,
+        *args: Any,
+        apply: bool = True,
+        record: bool = True,
+    ) -> Any:
+        """``(new params, state[, buffers]), grads, (loss[, aux])``; with ``apply=False``
+        the updates in place of the new params. ``record=False`` (the eager step, where
+        nothing differentiates through the update) runs ``tx`` without autograd, so its
+        fast paths need not look for tensors that require grad (funcgrad/_compose.py)."""
+        flat = params if isinstance(params, Flat) else None
+        # Flat params (fg.params(model)): the loss sees per-name views, and the
+        # per-name gradients are gathered into the flat layout in one cat per buffer.
+        grads, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
+        grads = like(grads, None if flat is None else flat.layout)
+        with contextlib.nullcontext() if record else torch.no_grad():
+            updates, new_state = tx.update(grads, state, params)
+            new: tuple[Any, ...] = (
+                apply_updates(params, updates) if apply else updates,
+                new_state,
+            )
+        new += (new_bufs,) if buffers else ()
+        return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
+
+    def pure_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        new, _, rest = compute(gradients, params, state, *args)
+        return new + rest
+
+    return _Core(gradients, compute, pure_step, donate, buffers, per_sample is not None)
+
+
+def _given(core: _Core, params: Params, state: State, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The tensors a donated step writes into: params, state (and buffers)."""
+    return (params, state, args[0]) if core.buffers else (params, state)
+
+
+Run = Callable[..., tuple[Any, ...]]
+"""``run(fresh, params, state, *batch)``: one step once the checks passed (``fresh``:
+the inputs' structure is new, see :class:`funcgrad._checks.Checks`)."""
+
+
+def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
+    """``compile=True``: the whole step as one graph. Donated, the graph writes into
+    the given tensors itself (inductor fuses the writes into the update kernels: no
+    second pass, no new buffers), with Ctrl-C held back while it runs."""
+
+    def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        new, grads, rest = core.compute(core.gradients, params, state, *args)
+        given = _given(core, params, state, args)
+        copy_into(given, _after_gradients(grads, given, new))
+        return given + rest
+
+    impl = torch.compile(
+        donated_step if core.donate else core.pure_step, **{**options, "fullgraph": True}
+    )
+
+    def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        if not core.donate:
+            return impl(params, state, *args)
+        with sigint_held():  # Ctrl-C cannot land between two of its kernels
+            return impl(params, state, *args)
+
+    return run
+
+
 class _PerThread(threading.local):
     def __init__(self) -> None:
         self.scratch = Scratch()
+
+
+def _eager_step(
+    core: _Core,
+    gradients: Callable[..., Any],
+    fast: Callable[..., Any] | None = None,
+) -> Run:
+    """The step run eagerly around ``gradients`` (``fast`` instead once the inputs'
+    structure went through it). Donated, the results are committed into the given
+    tensors afterwards in one multi-tensor pass; large CPU results are kept for the
+    next step (funcgrad/_scratch.py), one scratch per thread."""
+    per_thread = _PerThread()
+
+    def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        scratch = per_thread.scratch
+        grad_fn = gradients if fresh or fast is None else fast
+        try:
+            lend = lending(scratch) if core.donate else contextlib.nullcontext()
+            with watching_buffers(), lend:
+                # Donated, the first result is the updates (added to the params at commit).
+                new, _, rest = core.compute(
+                    grad_fn, params, state, *args, apply=not core.donate, record=False
+                )
+        except Exception:
+            scratch.forget()
+            raise
+        out = new + rest
+        if not core.donate:
+            return out
+        given = _given(core, params, state, args)
+        added = updates_as_params(params, out[0])
+        commit(given[1:], out[1 : len(given)], add_to=leaves(params), add=added)
+        scratch.reclaim()
+        return given + out[len(given) :]
+
+    return run
+
+
+def _gradients_step(core: _Core, options: dict[str, Any]) -> Run:
+    """``compile="gradients"``: the forward and backward as one graph, which writes
+    nothing; the rest is the eager step."""
+    compiled = torch.compile(core.gradients, **{**options, "fullgraph": True})
+
+    def gradients(params: Params, *args: Any) -> tuple[Params, Tensor, Any, Any]:
+        try:
+            return compiled(params, *args)
+        except Exception as err:
+            eager = lambda: core.gradients(params, *args)  # noqa: E731
+            reraise(err, explain_compile_failure(err, eager, 'compile="gradients"'))
+
+    return _eager_step(core, gradients)
 
 
 def make_step(
@@ -253,85 +397,18 @@ def make_step(
             f"{PER_SAMPLE_BATCHNORM}"
         )
     scope, options = compile_scope(compile)
-    gradients = _gradients(loss_fn, has_aux, per_sample, buffers)
+    core = _core(loss_fn, tx, has_aux, per_sample, donate, buffers)
+    if scope == "step":
+        run = _compiled_step(core, options)
+    elif scope == "gradients":
+        run = _gradients_step(core, options)
+    else:
+        # After a call with these inputs' structure went through torch.func (its checks
+        # give the clear errors): plain autograd, the same values, faster.
+        fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
+        run = _eager_step(core, core.gradients, fast)
     checks = Checks(loss_fn, tx, per_sample, donate, buffers)
-    grads_only = scope == "gradients"
     compiled = scope == "step"
-
-    def compute(
-        grad_fn: Callable[..., Any],
-        params: Params,
-        state: State,
-        *args: Any,
-        apply: bool = True,
-        record: bool = True,
-    ) -> Any:
-        """``(new params, state[, buffers]), grads, (loss[, aux])``; with ``apply=False``
-        the updates in place of the new params. ``record=False`` (the eager step, where
-        nothing differentiates through the update) runs ``tx`` without autograd, so its
-        fast paths need not look for tensors that require grad (funcgrad/_compose.py)."""
-        flat = params if isinstance(params, Flat) else None
-        # Flat params (fg.params(model)): the loss sees per-name views, and the
-        # per-name gradients are gathered into the flat layout in one cat per buffer.
-        grads, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
-        grads = like(grads, None if flat is None else flat.layout)
-        with contextlib.nullcontext() if record else torch.no_grad():
-            updates, new_state = tx.update(grads, state, params)
-            new: tuple[Any, ...] = (
-                apply_updates(params, updates) if apply else updates,
-                new_state,
-            )
-        new += (new_bufs,) if buffers else ()
-        return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
-
-    def pure_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
-        new, _, rest = compute(gradients, params, state, *args)
-        return new + rest
-
-    # Eagerly, once a call with these inputs' structure went through torch.func (its
-    # checks give the clear errors): plain autograd, the same values, faster.
-    fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
-
-    # compile="gradients": the forward and backward as one graph, which writes nothing;
-    # the rest of the step is the eager one.
-    compiled_gradients = (
-        torch.compile(gradients, **{**options, "fullgraph": True}) if grads_only else None
-    )
-
-    def gradients_compiled(params: Params, *args: Any) -> tuple[Params, Tensor, Any, Any]:
-        assert compiled_gradients is not None
-        try:
-            return compiled_gradients(params, *args)
-        except Exception as err:
-            eager = lambda: gradients(params, *args)  # noqa: E731
-            reraise(err, explain_compile_failure(err, eager, 'compile="gradients"'))
-
-    def eager_step(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
-        """Donated, it returns the updates (added to the params at commit, in place)."""
-        if grads_only:
-            grad_fn = gradients_compiled
-        else:
-            grad_fn = gradients if fresh or fast is None else fast
-        new, _, rest = compute(grad_fn, params, state, *args, apply=not donate, record=False)
-        return new + rest
-
-    def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
-        new, grads, rest = compute(gradients, params, state, *args)
-        given = (params, state, args[0]) if buffers else (params, state)
-        copy_into(given, _after_gradients(grads, given, new))
-        return given + rest
-
-    # Compiled and donated: the graph writes into the given tensors itself (inductor
-    # fuses the writes into the update kernels: no second pass, no new buffers).
-    # Eager, or not donated: a pure function, committed afterwards.
-    in_graph = compiled and donate
-    body = donated_step if in_graph else pure_step
-    # (eager and compile="gradients" steps run eager_step; impl is not called for them)
-    impl = torch.compile(body, **{**options, "fullgraph": True}) if compiled else body
-
-    # Eager and donated: the results are dead once committed, and large CPU ones are
-    # kept for the next step (funcgrad/_scratch.py), one scratch per thread.
-    per_thread = _PerThread()
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if isinstance(params, Flat):
@@ -347,32 +424,14 @@ def make_step(
                     "step with donate=False and use what it returns."
                 )
             checks(params, state, args)
-            return pure_step(params, state, *args)
+            return core.pure_step(params, state, *args)
         fresh = checks(params, state, args)
-        scratch = per_thread.scratch
         try:
-            if not compiled:
-                lend = lending(scratch) if donate else contextlib.nullcontext()
-                with watching_buffers(), lend:
-                    out = eager_step(fresh, params, state, *args)
-            elif not in_graph:
-                out = impl(params, state, *args)
-            else:
-                with sigint_held():  # Ctrl-C cannot land between two of its kernels
-                    return impl(params, state, *args)
+            return run(fresh, params, state, *args)
         except Exception as err:
-            scratch.forget()
-            better: Exception | None = explain_buffer_write(err, per_sample=per_sample is not None)
+            better: Exception | None = explain_buffer_write(err, per_sample=core.per_sample)
             if better is None and compiled:
-                better = explain_compile_failure(err, lambda: pure_step(params, state, *args))
+                better = explain_compile_failure(err, lambda: core.pure_step(params, state, *args))
             reraise(err, better)
-        if not donate:
-            return out
-        # Eager and donated: out starts with the updates.
-        given = (params, state, args[0]) if buffers else (params, state)
-        added = updates_as_params(params, out[0])
-        commit(given[1:], out[1 : len(given)], add_to=leaves(params), add=added)
-        scratch.reclaim()
-        return given + out[len(given) :]
 
     return step
