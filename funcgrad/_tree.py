@@ -75,20 +75,29 @@ def copy_into(dst: Any, src: Any) -> None:
 def sigint_held() -> Iterator[None]:
     """Hold back SIGINT (Ctrl-C) until the block is done, then deliver it.
 
-    Only the main thread receives signals in Python, and only it may set handlers;
-    elsewhere this does nothing.
+    Delivered as the handler in force would have: a Python handler is called (the
+    default one raises ``KeyboardInterrupt``), ``SIG_DFL`` ends the process, ``SIG_IGN``
+    drops it. Only the main thread receives signals in Python, and only it may set
+    handlers; elsewhere, or under a handler installed outside Python (which could not
+    be put back), this holds nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:
+        yield
+        return
     caught: list[tuple[int, Any]] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
         if caught and callable(previous):
             previous(*caught[0])
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def commit(dst: Any, src: Any, add_to: Sequence[Tensor] = (), add: Sequence[Tensor] = ()) -> None:

@@ -184,6 +184,26 @@ def test_ctrl_c_during_a_forward_never_leaves_the_module_swapped(request):
     assert interrupted == 200  # every signal was delivered, none lost by holding it
 
 
+@pytest.mark.parametrize(("handler", "survives"), [("SIG_DFL", False), ("SIG_IGN", True)])
+def test_a_held_ctrl_c_is_delivered_as_the_handler_in_force_would(handler, survives):
+    """Under SIG_DFL a Ctrl-C ends the process: held during a step, it still does once
+    the step is done (it used to be dropped); under SIG_IGN it is dropped, as always."""
+    import subprocess
+
+    code = (
+        "import os, signal\n"
+        "from funcgrad._tree import sigint_held\n"
+        f"signal.signal(signal.SIGINT, signal.{handler})\n"
+        "with sigint_held():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    print('inside', flush=True)\n"
+        "print('after', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == (["inside", "after"] if survives else ["inside"]), out
+    assert out.returncode == (0 if survives else -signal.SIGINT), out
+
+
 @pytest.mark.parametrize("donate", [False, True])
 def test_two_threads_stepping_one_model_get_the_results_of_running_alone(donate):
     """functional_call swaps the module's attributes while the forward runs; fg.call
