@@ -5,7 +5,7 @@
 #     PYTHON=python3 bash benchmarks/gpu.sh
 # Needs torch (CUDA), optree, pytest and numpy importable by $PYTHON; funcgrad is
 # taken from this checkout (PYTHONPATH). Writes its outputs to $OUT
-# (default benchmarks/results): gpu_tests.txt, gpu_scaling.txt and the JSON.
+# (default benchmarks/results): gpu_tests.txt, gpu_scaling.txt and its JSON, gpu_flat.txt.
 #
 # 1. tests/test_device.py with FUNCGRAD_TEST_DEVICE=cuda: Adam against torch.optim in
 #    float32/float16/bfloat16, the compiled (inductor) donated step and
@@ -15,6 +15,9 @@
 #    torch.optim, cold compile and step (compile=True and compile="gradients") against
 #    the gradient computation alone, for 10/100/1000 small layers (compiles for 10 and
 #    40).
+# 3. benchmarks/bench_flat_compiled.py --device cuda: the compiled MLP step on the flat
+#    layout (fg.params) against the per-tensor one (a dict built by hand), interleaved,
+#    and the CUDA kernels each launches per step (torch.profiler) (#21).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,3 +30,4 @@ print("torch", torch.__version__, "on", torch.cuda.get_device_name())'
 FUNCGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_device.py \
     2>&1 | tee "$OUT/gpu_tests.txt"
 "$PY" benchmarks/bench_scaling.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/gpu_scaling.txt"
+"$PY" benchmarks/bench_flat_compiled.py --device cuda 2>&1 | tee "$OUT/gpu_flat.txt"
