@@ -152,9 +152,20 @@ def main() -> None:
     ap.add_argument("--muon-width", type=int, default=128)
     ap.add_argument("--only", nargs="*", choices=list(OPTIMIZERS), default=list(OPTIMIZERS))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument(
+        "--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
+        help="which variants to time side by side (fewer: less cache traffic between them)",
+    )  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (7; --quick 3)")
+    ap.add_argument("--number", type=int, default=None, help="steps per timed block (5; --quick 3)")
     args = ap.parse_args()
     width = 256 if args.quick else args.width
     repeats, number = (3, 3) if args.quick else (7, 5)
+    repeats, number = args.repeats or repeats, args.number or number
+    if not args.variants:
+        ap.error("--variants: name at least one")
+    if args.variants != list(VARIANTS):
+        return _some(args.only, args.variants, args.layers, width, args.muon_width, repeats, number)
     torch.manual_seed(0)
     print(
         f"torch {torch.__version__}, {os.cpu_count()} cores, {platform.machine()}; "
@@ -197,6 +208,29 @@ def main() -> None:
     (args.out / "bench_optimizers.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1)
     )
+
+
+def _some(
+    only: list[str],
+    variants: list[str],
+    layers: int,
+    width: int,
+    muon_width: int,
+    repeats: int,
+    number: int,
+) -> None:
+    """Only the chosen variants, side by side: ms per step and the first chosen one's
+    time over each other's."""
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores; {layers} x ({width} x {width}); "
+          f"{repeats} rounds of {number} steps")  # fmt: skip
+    for name in only:
+        size = min(width, muon_width) if name == "muon" else width
+        fns = {v: setup(name, v, layers, size) for v in variants}
+        t = interleaved(fns, repeats, number)
+        first = variants[0]
+        cells = [f"{v} {t[v] * 1e3:.3f} ms" for v in variants]
+        cells += [f"{first}/{v} {t[first] / t[v]:.2f}" for v in variants[1:]]
+        print(f"{name:10s} " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
