@@ -223,6 +223,7 @@ def _some(
     time over each other's."""
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; {layers} x ({width} x {width}); "
           f"{repeats} rounds of {number} steps")  # fmt: skip
+    torch.compile(lambda t: t * 2 + 1, fullgraph=True)(torch.ones(4))  # inductor's workers
     for name in only:
         size = min(width, muon_width) if name == "muon" else width
         fns = {v: setup(name, v, layers, size) for v in variants}

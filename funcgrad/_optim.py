@@ -43,6 +43,7 @@ from ._base import (
     params_device,
 )
 from ._compose import composing
+from ._fusion import realize
 from ._hparams import DecayMask, LearningRate, LrCell, compute_dtype, lr_at, mask_resolver
 from ._scratch import BIG, Scratch, borrowing
 
@@ -265,6 +266,17 @@ def decay_per_buffer(decay: Mapping[str, bool], layout: flat.Layout) -> dict[str
     return out
 
 
+def _realized(scalars: Scalars) -> Scalars:
+    """Traced, the 0-d scalars computed once into one buffer (``realize``), not again
+    for every vector of every update loop, where the C++ compiler cannot hoist them
+    (Adagrad's decayed learning rate is a float64 division); the same values."""
+    if not scalars or not torch.compiler.is_compiling():
+        return scalars
+    if any(v.dim() != 0 for v in scalars.values()):
+        return scalars
+    return dict(zip(scalars, realize(torch.stack(list(scalars.values()))).unbind(0), strict=True))
+
+
 def _run(
     spec: Spec,
     grads: Mapping[str, Tensor],
@@ -287,7 +299,7 @@ def _run(
         sdt = params[k].dtype if params is not None else g.dtype
         dt = compute_dtype(sdt)
         if dt not in per_dtype:
-            per_dtype[dt] = {n: v.to(dt) for n, v in s64.items()}
+            per_dtype[dt] = _realized({n: v.to(dt) for n, v in s64.items()})
         p = None if params is None else params[k].to(dt)
         slots_dt = {f: t.to(dt) for f, t in mine.items()}
         entry = Entry(k, g.to(dt), p, slots_dt, per_dtype[dt], decay.get(k, False), sdt, ops)
