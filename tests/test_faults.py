@@ -76,12 +76,16 @@ def _interrupt_after(delay: float) -> threading.Thread:
     main = threading.main_thread().ident
     assert main is not None
 
+    go = threading.Event()
+
     def fire() -> None:
+        go.wait()  # not before start() returned: a signal inside it broke its lock
         time.sleep(delay)
         signal.pthread_kill(main, signal.SIGINT)
 
     t = threading.Thread(target=fire, daemon=True)
     t.start()
+    go.set()
     return t
 
 
