@@ -16,11 +16,13 @@ The loop uses:
 It prints a table of the per-block statistics and a sample of generated text, and
 writes a PNG of the loss curve.
 
-The step runs eagerly by default. ``--compile gradients`` compiles only the forward
-and backward (``make_step(compile="gradients")``: about 26-31 s for the first call of
-a 2-block model with empty caches on two cores, then the update runs eagerly);
-``--compile`` compiles the whole step as one graph (about 48 s, then the fastest
-steps). benchmarks/README.md has the measurements.
+The whole step (forward, backward, accumulation, monitor, AdamW) is compiled as one
+graph by default (``make_step(compile=True)``): the first step takes tens of seconds
+(compiling), the others are the fastest. ``--compile gradients`` compiles only the
+forward and backward (the update runs eagerly); ``--compile none`` runs eagerly.
+After training it times ``--eager-steps`` micro-steps of the same step run eagerly on
+copies of the parameters and state, and prints the first step's seconds and the
+steps per second of both (benchmarks/README.md has more measurements).
 
 Run: ``python examples/char_gpt.py`` (``--help`` for options).
 """
@@ -28,6 +30,7 @@ Run: ``python examples/char_gpt.py`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import textwrap
@@ -58,10 +61,16 @@ def parser() -> argparse.ArgumentParser:
         "--compile",
         nargs="?",
         const="step",
-        default="none",
+        default="step",
         choices=["none", "step", "gradients"],
-        help="compile the whole step (--compile), only its forward and backward "
-        "(--compile gradients), or nothing",
+        help="compile the whole step (step), only its forward and backward "
+        "(gradients), or nothing (none)",
+    )
+    ap.add_argument(
+        "--eager-steps",
+        type=int,
+        default=20,
+        help="micro-steps timed eagerly afterwards, for the speed table (0: none)",
     )
     ap.add_argument("--out", type=Path, default=Path("out"), help="output directory")
     return ap
@@ -141,11 +150,25 @@ def sample(model: CharGPT, start: str, stoi, itos, n: int, seed: int) -> str:
     return "".join(itos[i] for i in idx[0].tolist())
 
 
+MODES = {
+    "step": "compiled (whole step)",
+    "gradients": "compiled (gradients only)",
+    "none": "eager",
+}
+
+
+def _speed(first: float, rest: float, steps: int) -> tuple[float, float]:
+    """The first step's seconds and the micro-steps per second after it."""
+    return first, (steps / rest if steps > 0 and rest > 0 else float("nan"))
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
     if min(args.steps, args.accumulate, args.batch, args.layers, args.heads) < 1:
         ap.error("--steps, --accumulate, --batch, --layers and --heads must be >= 1")
+    if args.eager_steps < 0:
+        ap.error(f"--eager-steps must be >= 0, got {args.eager_steps}")
     if args.block < 2 or args.dim % args.heads:
         ap.error("--block must be >= 2 and --dim a multiple of --heads")
     if not 0.0 <= args.dropout < 1.0:
@@ -183,8 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     state = tx.init(params)
     gen = torch.Generator().manual_seed(args.seed)
 
-    def batch(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        start = torch.randint(len(src) - args.block - 1, (args.batch,), generator=gen)
+    def batch(src: torch.Tensor, g: torch.Generator = gen) -> tuple[torch.Tensor, torch.Tensor]:
+        start = torch.randint(len(src) - args.block - 1, (args.batch,), generator=g)
         x = torch.stack([src[s : s + args.block] for s in start.tolist()])
         y = torch.stack([src[s + 1 : s + args.block + 1] for s in start.tolist()])
         return x, y
@@ -192,10 +215,26 @@ def main(argv: list[str] | None = None) -> dict:
     losses: list[float] = []
     t0 = time.perf_counter()
     micro_steps = args.steps * args.accumulate
-    for _ in tqdm(range(micro_steps), desc="char-gpt", mininterval=0.5):
+    speeds = {}
+    for i in tqdm(range(micro_steps), desc="char-gpt", mininterval=0.5):
         params, state, loss = step(params, state, *batch(train_data))
         losses.append(loss.item())
+        if i == 0:
+            first = time.perf_counter() - t0
     elapsed = time.perf_counter() - t0
+    speeds[MODES[args.compile]] = _speed(first, elapsed - first, micro_steps - 1)
+    if args.eager_steps > 0 and args.compile != "none":
+        # The same step run eagerly, on copies: the trained parameters do not move.
+        eager = fg.make_step(loss_fn, tx, compile=False, donate=True)
+        p2, s2 = copy.deepcopy(params), copy.deepcopy(state)
+        g2 = torch.Generator().manual_seed(args.seed + 1)  # `gen` still draws the val batch
+        t1 = time.perf_counter()
+        for i in range(args.eager_steps):
+            p2, s2, _ = eager(p2, s2, *batch(train_data, g2))
+            if i == 0:
+                first_eager = time.perf_counter() - t1
+        rest = time.perf_counter() - t1 - first_eager
+        speeds[MODES["none"]] = _speed(first_eager, rest, args.eager_steps - 1)
 
     model.eval()
     with torch.no_grad():
@@ -203,7 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
         val = float(loss_fn(params, xv, yv))
     model.train()
     stats = state.inner["monitor"].stats
-    print(f"\n{args.steps} updates x {args.accumulate} micro-batches in {elapsed:.0f} s")
+    print(f"\n{args.steps} updates x {args.accumulate} micro-batches in {elapsed:.0f} s\n")
+    print(f"{'step':28s} {'first step':>10s} {'micro-steps/s':>13s}   (after the first)")
+    for mode, (first_s, per_s) in speeds.items():
+        print(f"{mode:28s} {first_s:9.2f}s {per_s:13.1f}")
     print(f"train loss (last 20 micro-batches) {sum(losses[-20:]) / 20:.3f}, val loss {val:.3f}")
     print(f"(uniform guess: {math.log(len(chars)):.3f} for {len(chars)} characters)\n")
     print(f"{'group':10s} {'zero frac':>9s} {'grad norm':>10s}   (fg.monitor, last update)")
@@ -231,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         "uniform_loss": math.log(len(chars)),
         "seconds": elapsed,
         "sample": text_out,
+        "speeds": {m: {"first_step_s": f, "steps_per_s": r} for m, (f, r) in speeds.items()},
     }
     (args.out / "char_gpt.json").write_text(json.dumps(result, indent=2))
     print(f"\nfigure: {png.resolve()}")
@@ -240,6 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_loss=result["train_loss"],
         val_loss=val,
         uniform_loss=result["uniform_loss"],
+        first_step_s=first,
+        steps_per_s=speeds[MODES[args.compile]][1],
+        eager_steps_per_s=speeds.get(MODES["none"], (0.0, float("nan")))[1],
     )
     return {**result, "png": str(png)}
 

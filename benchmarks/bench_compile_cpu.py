@@ -1,0 +1,114 @@
+"""Cold compile cost in CPU seconds: the gradients alone against funcgrad's steps (#21).
+
+Each variant's first call runs in a fresh process with an empty inductor cache, the
+FX graph and AOTAutograd caches off, and ``TORCHINDUCTOR_COMPILE_THREADS=1`` (gcc runs
+as a waited-for child, so its time is counted). What is reported is the CPU time of
+that process and its children during the first call, not wall time: on a shared
+2-core machine wall-clock cold compiles scattered by +-3 s between identical runs,
+CPU seconds by about +-1 s.
+
+Variants, on ``study_flat_state.py``'s models (``--layers 0`` is the MLP
+256-512-512-512-10, ``N`` is N x ``Linear(64, 64)`` + ReLU):
+
+- ``grad``: ``torch.compile(grad_and_value(loss))`` over one tensor per parameter
+- ``adam``: ``make_step(loss, fg.adam(), compile=True, donate=True)`` on ``fg.params``
+- ``step``: the same with the seed rule per layer before Adam
+- ``step-dict``: ``step`` on a params dict built by hand (the per-tensor layout)
+
+Run: python benchmarks/bench_compile_cpu.py [--layers 0 10 40] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("grad", "adam", "step", "step-dict")
+
+
+def cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def child(layers: int, variant: str) -> dict[str, float]:
+    """The first call's CPU and wall seconds, in this (fresh) process."""
+    import torch
+    from torch.func import grad_and_value
+
+    import funcgrad as fg
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from study_flat_state import setup
+
+    m, loss, x, y = setup(layers)
+    if variant == "grad":
+        f = torch.compile(grad_and_value(loss), fullgraph=True)
+        plain = dict(fg.params(m))
+        call = lambda: f(plain, x, y)  # noqa: E731
+    else:
+        rule = fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m))
+        tx = fg.adam() if variant == "adam" else fg.chain(rule, fg.adam())
+        params = fg.params(m)
+        if variant == "step-dict":
+            params = {k: p.detach() for k, p in m.named_parameters()}
+        state = tx.init(params)
+        step = fg.make_step(loss, tx, compile=True, donate=True)
+        call = lambda: step(params, state, x, y)  # noqa: E731
+    c, t = cpu_seconds(), time.perf_counter()
+    call()
+    return {"cpu_s": cpu_seconds() - c, "wall_s": time.perf_counter() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[0, 10, 40])
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; min kept")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(int(args.child[0]), args.child[1])))
+        return
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for layers in args.layers:
+        runs: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
+        for _ in range(args.rounds):
+            for variant in args.variants:
+                with tempfile.TemporaryDirectory() as cache:
+                    env = {
+                        **os.environ,
+                        "TORCHINDUCTOR_CACHE_DIR": cache,
+                        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+                        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+                        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                    }
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child", str(layers), variant],
+                        env=env, capture_output=True, text=True, check=True,
+                    )  # fmt: skip
+                    runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        name = "MLP 256-512-512-512-10" if layers == 0 else f"{layers} x Linear(64, 64)"
+        base = min(r["cpu_s"] for r in runs[args.variants[0]])
+        print(f"\n{name}: first call, CPU seconds per round (ratio of the minima to "
+              f"{args.variants[0]!r})")  # fmt: skip
+        for variant, rs in runs.items():
+            cpu = [r["cpu_s"] for r in rs]
+            shown = " / ".join(f"{c:.1f}" for c in cpu)
+            print(f"  {variant:10s} {shown:>20s} s   {min(cpu) / base:.2f}x", flush=True)
+        results[name] = runs
+    args.out.mkdir(exist_ok=True)
+    (args.out / "bench_compile_cpu.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
