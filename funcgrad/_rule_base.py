@@ -93,6 +93,43 @@ def reads_input_only(fn: object) -> bool:
     return is_shard_safe(fn) and getattr(fn, "_input_stats", False) is True
 
 
+class _Rows(threading.local):
+    def __init__(self) -> None:
+        self.on = False
+
+
+_ROWS = _Rows()
+"""Whether the group being ruled is ``k`` equal groups stacked as rows (``fg.per_group``
+on flat gradients, funcgrad/_transforms.py: one rule call for a run of equal-size
+groups); every statistic is then taken per row, shape ``(k, 1)``."""
+
+
+@contextlib.contextmanager
+def rows() -> Iterator[None]:
+    """Inside the block, each tensor of a group is ``(k, n)``: row ``i`` belongs to the
+    ``i``-th of ``k`` groups, and every statistic is taken per row."""
+    before, _ROWS.on = _ROWS.on, True
+    try:
+        yield
+    finally:
+        _ROWS.on = before
+
+
+def in_rows() -> bool:
+    """Whether statistics are taken per row (see :func:`rows`)."""
+    return _ROWS.on
+
+
+def any_(t: Tensor) -> Tensor:
+    """``t.any()``: 0-d, or ``(k, 1)`` per row under :func:`rows`."""
+    return t.any(dim=-1, keepdim=True) if _ROWS.on else t.any()
+
+
+def all_(t: Tensor) -> Tensor:
+    """``t.all()``: 0-d, or ``(k, 1)`` per row under :func:`rows`."""
+    return t.all(dim=-1, keepdim=True) if _ROWS.on else t.all()
+
+
 def batched(fn: Callable[[], T]) -> T:
     """``fn()``; under ``fg.sharded``, with all its statistics in one collective
     (``fn`` must take them of its inputs only: see :func:`reads_input_only`)."""
@@ -185,7 +222,7 @@ def any_of(flags: list[Tensor]) -> Tensor:
     """One 0-d bool per tensor, reduced once: stays on the device, no host sync.
 
     Sharded: true if it holds on any rank."""
-    local = torch.stack(flags).any()
+    local = torch.stack(flags).any(0) if _ROWS.on else torch.stack(flags).any()
     ranks = shards()
     return local if ranks is None else ranks.any(local)
 
@@ -199,8 +236,11 @@ def group_norm(group: Group) -> Tensor:
     norms = []
     for g in group.values():
         acc = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
-        norms.append(torch.linalg.vector_norm(g, 2, dtype=acc))
-    local = torch.linalg.vector_norm(torch.stack(norms), 2)
+        if _ROWS.on:
+            norms.append(torch.linalg.vector_norm(g, 2, dim=-1, keepdim=True, dtype=acc))
+        else:
+            norms.append(torch.linalg.vector_norm(g, 2, dtype=acc))
+    local = torch.linalg.vector_norm(torch.stack(norms), 2, dim=0 if _ROWS.on else None)
     ranks = shards()
     return local if ranks is None else ranks.sum(local * local).sqrt()
 
@@ -208,6 +248,8 @@ def group_norm(group: Group) -> Tensor:
 def group_size(group: Group) -> int:
     """The number of entries of the group (of the whole gradients when sharded)."""
     ranks = shards()
+    if _ROWS.on:
+        return sum(t.shape[-1] for t in group.values())
     if ranks is None:
         return sum(t.numel() for t in group.values())
     return sum(ranks.numel(k) for k in group)
@@ -222,6 +264,9 @@ def zero_count(group: Group, atol: float = 0.0) -> Tensor:
     """The number of zeros (``|g| <= atol``) among all entries of the group (0-d int64).
 
     Sharded: summed over the ranks."""
+    if _ROWS.on:
+        parts = [is_zero(t, atol).sum(dim=-1, keepdim=True) for t in group.values()]
+        return torch.stack(parts).sum(0)
     local = torch.stack([is_zero(t, atol).sum() for t in group.values()]).sum()
     ranks = shards()
     return local if ranks is None else ranks.sum(local)

@@ -116,21 +116,45 @@ def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, in
 def _on_segments(
     grads: Flat, segments: list[tuple[int, int, int]], rule: Callable[..., Mapping[str, Tensor]]
 ) -> Flat:
-    """``rule`` on every group as one segment of its buffer; the rest passes through."""
+    """``rule`` on every group as one segment of its buffer; the rest passes through.
+
+    A run of adjacent groups of one size (the blocks of a deep stack of equal layers)
+    is ruled in one call, as the rows of a ``(k, size)`` view with every statistic
+    taken per row (:func:`funcgrad._rule_base.rows`): the same values, and one
+    reduction and one elementwise op for the run instead of one per group, which is
+    what a compiled step's code (and its compile time) otherwise grows by per layer.
+    """
     out = []
     for b, buf in enumerate(grads.buffers):
         pieces, at = [], 0
-        for i, start, stop in segments:
-            if i != b:
-                continue
+        for start, stop, k in _runs([(s, e) for i, s, e in segments if i == b]):
             if start > at:
                 pieces.append(buf[at:start])
-            pieces.append(apply_rule(rule, {"segment": buf[start:stop]})["segment"])
+            if k == 1:
+                pieces.append(apply_rule(rule, {"segment": buf[start:stop]})["segment"])
+            else:
+                with _rb.rows():
+                    block = apply_rule(rule, {"segment": buf[start:stop].view(k, -1)})
+                pieces.append(block["segment"].reshape(-1))
             at = stop
         if at < buf.numel():
             pieces.append(buf[at:])
         out.append(cat(pieces))
     return Flat(out, grads.layout)
+
+
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``spans`` (in order) merged into ``(start, stop, k)``: ``k`` adjacent spans of
+    one length each."""
+    out: list[tuple[int, int, int]] = []
+    for start, stop in spans:
+        if out:
+            s0, e0, k = out[-1]
+            if e0 == start and (e0 - s0) == k * (stop - start):
+                out[-1] = (s0, stop, k + 1)
+                continue
+        out.append((start, stop, 1))
+    return out
 
 
 def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:

@@ -88,13 +88,13 @@ def all_zero(atol: float = 0.0) -> Condition:
         # t.any() is (t != 0).any() (NaN counts as nonzero) in one pass, without the
         # bool temporary: faster eagerly (docs/compile-notes.md).
         return Condition(
-            lambda g: ~_rb.any_of([t.any() for t in g.values()]),
+            lambda g: ~_rb.any_of([_rb.any_(t) for t in g.values()]),
             "all_zero()",
             **_BUILTIN,
         )
     # ~(|t| > atol).any() rather than (|t| <= atol).all(): NaN is not zero either way.
     return Condition(
-        lambda g: ~_rb.any_of([(~_rb.is_zero(t, a)).any() for t in g.values()]),
+        lambda g: ~_rb.any_of([_rb.any_(~_rb.is_zero(t, a)) for t in g.values()]),
         f"all_zero(atol={a})",
         **_BUILTIN,
     )
@@ -111,7 +111,7 @@ def any_zero(atol: float = 0.0) -> Condition:
     """
     a = _atol(atol, "any_zero")
     return Condition(
-        lambda g: _rb.any_of([_rb.is_zero(t, a).any() for t in g.values()]),
+        lambda g: _rb.any_of([_rb.any_(_rb.is_zero(t, a)) for t in g.values()]),
         f"any_zero({_suffix(a)})",
         **_BUILTIN,
     )
@@ -127,7 +127,7 @@ def any_nonfinite() -> Condition:
         tensor(True)
     """
     return Condition(
-        lambda g: _rb.any_of([torch.isfinite(t).logical_not().any() for t in g.values()]),
+        lambda g: _rb.any_of([_rb.any_(torch.isfinite(t).logical_not()) for t in g.values()]),
         "any_nonfinite()",
         **_BUILTIN,
     )
@@ -321,7 +321,9 @@ def when(
 
     def rule(g: Group) -> dict[str, Tensor]:
         c = condition(g)
-        if not isinstance(c, Tensor) or c.dtype != torch.bool or c.dim() != 0:
+        # (one value per row, (k, 1), when k equal groups are ruled at once: _rule_base.rows)
+        shape = (c.shape[0], 1) if _rb.in_rows() and isinstance(c, Tensor) and c.dim() == 2 else ()
+        if not isinstance(c, Tensor) or c.dtype != torch.bool or tuple(c.shape) != shape:
             raise ValueError(
                 f"fg.rules.when: condition {condition!r} must return a 0-d bool tensor, "
                 f"got {c!r}. Reduce it, e.g. (t == 0).all(), and avoid Python bools."
@@ -385,7 +387,7 @@ def zero_fix(
         # each tensor's zero mask serves both the test and the replacement (all_zero's
         # "no entry is not zero" is "every entry is zero"; NaN is neither way a zero).
         zeros = {k: _rb.is_zero(t, tol) for k, t in g.items()}
-        dead = ~_rb.any_of([~m.all() for m in zeros.values()])
+        dead = ~_rb.any_of([~_rb.all_(m) for m in zeros.values()])
         # 0-d, a for a dead group, else z: made in each gradient's dtype from the
         # Python floats (through float32, 0.1 became 0.10000000149 in float64).
         value: dict[torch.dtype, Tensor] = {}

@@ -91,6 +91,70 @@ def test_flat_equals_per_tensor_layout(compile) -> None:
         assert torch.equal(t.detach(), pb[k])
 
 
+def stack(layers: int = 5) -> nn.Module:
+    """Equal layers: their groups are adjacent segments of one size in the buffer."""
+    torch.manual_seed(0)
+    mods: list[nn.Module] = [nn.Linear(4, 6)]
+    for _ in range(layers):
+        mods += [nn.ReLU(), nn.Linear(6, 6)]
+    return nn.Sequential(*mods, nn.ReLU(), nn.Linear(6, 3)).to(torch.float64)
+
+
+STACK_RULES = {
+    "zero_fix": fg.rules.zero_fix(),
+    "zero_fix_atol": fg.rules.zero_fix(atol=1e-3),
+    "norm_clip": fg.rules.when(
+        fg.rules.norm_above(0.05), fg.rules.clip_norm(0.02), otherwise=fg.rules.scale(2.0)
+    ),
+    "zero_fraction": fg.rules.when(fg.rules.zero_fraction_above(0.3), fg.rules.fill(0.0)),
+    "any_zero_or_nonfinite": fg.rules.when(
+        fg.rules.any_zero() | fg.rules.any_nonfinite(), fg.rules.replace_zeros(0.25)
+    ),
+    "all_zero": fg.rules.when(fg.rules.all_zero(), fg.rules.fill(1.0)),
+}
+
+
+def test_runs_of_equal_groups() -> None:
+    from funcgrad._transforms import _runs
+
+    spans = [(0, 4), (4, 8), (8, 12), (12, 14), (14, 16), (20, 24), (24, 30)]
+    assert _runs(spans) == [(0, 12, 3), (12, 16, 2), (20, 24, 1), (24, 30, 1)]
+    assert _runs([]) == []
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}, True])
+@pytest.mark.parametrize("name", list(STACK_RULES))
+def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, monkeypatch):
+    """A run of equal groups is ruled once, as the rows of a (k, size) view: every
+    statistic per row, the same result as each group alone (the per-tensor layout)."""
+    if compile is True and name not in ("zero_fix", "norm_clip"):
+        pytest.skip("inductor: two rules are enough (each compile takes seconds)")
+    import funcgrad._rule_base as rb
+
+    rows_seen = []
+    real_rows = rb.rows
+
+    def spy():
+        rows_seen.append(True)
+        return real_rows()
+
+    monkeypatch.setattr(rb, "rows", spy)
+
+    def tx(m):
+        return fg.chain(fg.per_group(STACK_RULES[name], fg.group_by_module(m)), fg.adam(1e-2))
+
+    torch._dynamo.reset()  # each parametrization compiles new steps of the same code
+    a, b = stack(), stack()
+    with torch.no_grad():  # a dead layer inside the run: the all-zero branches fire
+        a[4].weight.zero_(), b[4].weight.zero_()
+    pa, sa = train(a, fg.params(a), tx(a), compile=compile)
+    assert rows_seen, "the run of equal layers was not ruled as rows"
+    pb, sb = train(b, per_tensor(b), tx(b), compile=compile)
+    rtol = 1e-12 if compile is not True else 1e-5  # inductor's kernels round differently
+    assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[1], sb.inner_states[1], rtol=rtol, atol=1e-12)
+
+
 def test_flat_adamw_equals_torch_optim() -> None:
     model = mlp()
     ref = copy.deepcopy(model)
