@@ -18,6 +18,11 @@ rules and ``fg.monitor`` combine all their groups' statistics in one collective
 from elementwise ops and these statistics is *shard-safe*: ``Rule(fn, name,
 shard_safe=True)``. Any other callable is applied by ``fg.per_group`` to the whole
 group, gathered from all ranks (correct, at the price of that group's all-gather).
+
+funcgrad's own rules also reduce a tensor only through :func:`any_` and :func:`all_`.
+That lets ``fg.per_group`` rule a run of adjacent equal-size groups of flat gradients
+in one call (:func:`rows`): each tensor is then ``(k, size)``, one row per group, and
+every statistic is taken per row, shape ``(k, 1)``.
 """
 
 from __future__ import annotations
