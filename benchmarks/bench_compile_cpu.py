@@ -30,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import cold_caches
+
 VARIANTS = ("grad", "adam", "step", "step-dict")
 
 
@@ -41,28 +44,9 @@ def cpu_seconds() -> float:
 
 def child(layers: int, variant: str) -> dict[str, float]:
     """The first call's CPU and wall seconds, in this (fresh) process."""
-    import torch
-    from torch.func import grad_and_value
+    from study_flat_state import make_call
 
-    import funcgrad as fg
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from study_flat_state import setup
-
-    m, loss, x, y = setup(layers)
-    if variant == "grad":
-        f = torch.compile(grad_and_value(loss), fullgraph=True)
-        plain = dict(fg.params(m))
-        call = lambda: f(plain, x, y)  # noqa: E731
-    else:
-        rule = fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m))
-        tx = fg.adam() if variant == "adam" else fg.chain(rule, fg.adam())
-        params = fg.params(m)
-        if variant == "step-dict":
-            params = {k: p.detach() for k, p in m.named_parameters()}
-        state = tx.init(params)
-        step = fg.make_step(loss, tx, compile=True, donate=True)
-        call = lambda: step(params, state, x, y)  # noqa: E731
+    call = make_call(layers, variant)
     c, t = cpu_seconds(), time.perf_counter()
     call()
     return {"cpu_s": cpu_seconds() - c, "wall_s": time.perf_counter() - t}
@@ -85,13 +69,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant in args.variants:
                 with tempfile.TemporaryDirectory() as cache:
-                    env = {
-                        **os.environ,
-                        "TORCHINDUCTOR_CACHE_DIR": cache,
-                        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-                        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-                        "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                    }
+                    one_thread = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+                    env = {**os.environ, **cold_caches(cache), **one_thread}
                     out = subprocess.run(
                         [sys.executable, __file__, "--child", str(layers), variant],
                         env=env, capture_output=True, text=True, check=True,

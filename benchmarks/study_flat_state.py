@@ -204,19 +204,23 @@ def check(layers: int, steps: int = 3) -> float:
     return worst
 
 
-def child(layers: int, variant: str) -> dict[str, float]:
+def make_call(layers: int, variant: str) -> Callable[[], object]:
+    """One step of ``variant`` on the model of ``layers``, not yet called (also
+    ``"adam"``: funcgrad's compiled step without the rule, for bench_compile_cpu.py)."""
     m, loss, x, y = setup(layers)
     if variant == "grad":  # the model's own gradients, one tensor per parameter
         f = torch.compile(grad_and_value(loss), fullgraph=True)
         params = dict(fg.params(m))
         call: Callable[[], object] = lambda: f(params, x, y)  # noqa: E731
-    elif variant in ("step", "step-dict", "eager", "eager-dict"):
-        tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam())
+    elif variant in ("adam", "step", "step-dict", "eager", "eager-dict"):
+        tx: fg.GradientTransformation = fg.adam()
+        if variant != "adam":
+            tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), tx)
         params = fg.params(m)  # the flat layout since #21
         if variant.endswith("-dict"):  # the per-tensor layout: a dict built by hand
             params = {k: p.detach() for k, p in m.named_parameters()}
         state = tx.init(params)
-        step = fg.make_step(loss, tx, compile=variant.startswith("step"), donate=True)
+        step = fg.make_step(loss, tx, compile=not variant.startswith("eager"), donate=True)
         call = lambda: step(params, state, x, y)  # noqa: E731
     else:
         compiled, args = flat_step(
@@ -226,6 +230,11 @@ def child(layers: int, variant: str) -> dict[str, float]:
             segmented={"flat-seg": True, "flat-idx": "idx"}.get(variant, False),
         )
         call = lambda: compiled(*args, x, y)  # noqa: E731
+    return call
+
+
+def child(layers: int, variant: str) -> dict[str, float]:
+    call = make_call(layers, variant)
     t = time.perf_counter()
     call()
     first = time.perf_counter() - t
