@@ -121,4 +121,4 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
         new_acc = pytree.tree_map(lambda a: torch.where(done, 0.0, a), acc)
         return updates, AccumulateState(torch.where(done, 0, n), new_acc, inner)
 
-    return shardable(GradientTransformation(init, update), tx)
+    return shardable(GradientTransformation(init, update), tx, by_entry=True)

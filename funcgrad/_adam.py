@@ -221,7 +221,11 @@ def _adam(
         back = tuple(flat.from_buffers(o, layout) if o else {} for o in out)
         return back[0], AdamState(count, *back[1:])
 
-    return shardable(has_lr(GradientTransformation(init, update), lr_cell))
+    # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
+    # pieces do not keep (fg.sharded then splits by rows)
+    return shardable(
+        has_lr(GradientTransformation(init, update), lr_cell), by_entry=not callable(mask)
+    )
 
 
 def _leaves(*trees: Mapping[str, Tensor] | None) -> list[Tensor]:

@@ -95,7 +95,7 @@ def identity() -> GradientTransformation:
         >>> fg.identity().update({"w": torch.ones(1)}, fg.EmptyState())[0]
         {'w': tensor([1.])}
     """
-    return shardable(stateless(lambda grads, params: grads))
+    return shardable(stateless(lambda grads, params: grads), by_entry=True)
 
 
 def set_to_zero() -> GradientTransformation:
@@ -107,7 +107,8 @@ def set_to_zero() -> GradientTransformation:
         {'w': tensor([0., 0.])}
     """
     return shardable(
-        stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()})
+        stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()}),
+        by_entry=True,
     )
 
 
@@ -117,6 +118,9 @@ class _Facts:
 
     shardable: bool = False
     """Declared with :func:`shardable`: ``fg.sharded`` may run it on row shards."""
+    by_entry: bool = False
+    """Declared with ``shardable(..., by_entry=True)``: it may also run on any cut of the
+    flat buffers (``fg.sharded`` on ``fg.params``), where a piece is a 1-D run of entries."""
     averages: bool = False
     """Is or contains ``fg.all_reduce_mean`` (``fg.sharded``, which averages itself, refuses it)."""
     parts: tuple[GradientTransformation, ...] = ()
@@ -165,13 +169,19 @@ def lr_cells(tx: GradientTransformation) -> list[Any]:
     return out
 
 
-def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
+def shardable(
+    tx: GradientTransformation, *parts: GradientTransformation, by_entry: bool = False
+) -> GradientTransformation:
     """Declare that ``tx`` may run on row shards under :func:`funcgrad.sharded`, if all
     of ``parts`` (the transformations it wraps) may.
 
     A transformation may when each output entry depends only on the same entry of
     the gradients, parameters and its own state, and on per-group statistics taken
-    through ``funcgrad._rule_base`` (which combine across ranks). Returns ``tx``.
+    through ``funcgrad._rule_base`` (which combine across ranks). ``by_entry=True``
+    declares more: it does not read the tensors' shapes either (no factored moments,
+    no matrix of its own, no mask or label decided from a shape), so it may run on
+    equal chunks of the flat buffers, where each tensor's piece is a 1-D run of
+    entries (if all of ``parts`` may too). Returns ``tx``.
 
     A transformation built inside a compiled function (e.g. ``fg.adam(lr=lr)`` with
     a traced, learnable ``lr``) is not registered: dynamo cannot trace the weak
@@ -184,6 +194,7 @@ def shardable(tx: GradientTransformation, *parts: GradientTransformation) -> Gra
         facts.parts = parts
     if all(is_shardable(p) for p in parts):
         facts.shardable = True
+        facts.by_entry = by_entry and all(is_by_entry(p) for p in parts)
     if any(averages_over_ranks(p) for p in parts):
         facts.averages = True
     return tx
@@ -193,6 +204,12 @@ def is_shardable(tx: GradientTransformation) -> bool:
     """Whether ``tx`` was declared with :func:`shardable`."""
     facts = _FACTS.get(tx.update)
     return facts is not None and facts.shardable
+
+
+def is_by_entry(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` was declared with ``shardable(..., by_entry=True)``."""
+    facts = _FACTS.get(tx.update)
+    return facts is not None and facts.by_entry
 
 
 def averages_over_ranks(tx: GradientTransformation, mark: bool = False) -> bool:

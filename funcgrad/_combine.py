@@ -78,7 +78,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         grads, new_states = _run_in_order(transforms, grads, state.inner_states, params)
         return grads, ChainState(tuple(new_states))
 
-    return shardable(GradientTransformation(init, update), *transforms)
+    return shardable(GradientTransformation(init, update), *transforms, by_entry=True)
 
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -124,7 +124,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
         grads, new = _run_in_order(transforms, grads, [state[n] for n in names], params)
         return grads, dict(zip(names, new, strict=True))
 
-    return shardable(GradientTransformation(init, update), *transforms)
+    return shardable(GradientTransformation(init, update), *transforms, by_entry=True)
 
 
 class PartitionState(NamedTuple):
@@ -204,4 +204,7 @@ def partition(
         # Keep the caller's key order (dict order matters for pytree flattening).
         return {n: out[n] for n in grads}, PartitionState(new_states)
 
-    return shardable(GradientTransformation(init, update), *transforms.values())
+    # by_entry: labels given as a function may decide from shapes (see fg.sharded)
+    return shardable(
+        GradientTransformation(init, update), *transforms.values(), by_entry=not callable(labels)
+    )

@@ -335,9 +335,23 @@ def _flatten_names(f: Flat) -> tuple[list[Tensor], Layout, tuple[str, ...]]:
 
 def _unflatten_names(layout: Layout, children: Sequence[Any]) -> Any:
     named = dict(zip(layout.names, children, strict=True))
-    if all(isinstance(c, Tensor) for c in children) and children:
+    if children and all(_fits(c, e[2]) for c, e in zip(children, layout.entries, strict=True)):
         return pack(named, layout)
-    return named  # non-tensor leaves (masks, labels): a plain dict of them
+    # non-tensor leaves (masks, labels), tensors of other shapes (a sharded state's
+    # whole shapes in a checkpoint) or DTensors: a plain dict of them
+    return named
+
+
+def _fits(child: Any, shape: tuple[int, ...]) -> bool:
+    """Whether ``child`` can be an entry of ``shape`` in a buffer: a plain tensor of it."""
+    if not isinstance(child, Tensor) or tuple(child.shape) != shape:
+        return False
+    dist = torch.distributed
+    if dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        return not isinstance(child, DTensor)
+    return True
 
 
 for _namespace in (NAMESPACE, getattr(optree.registry, "__GLOBAL_NAMESPACE", None)):

@@ -94,4 +94,4 @@ def lion(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec))
+    return shardable(build(spec), by_entry=not callable(mask))

@@ -67,4 +67,4 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
             ok,
         )
 
-    return shardable(GradientTransformation(init, update), tx)
+    return shardable(GradientTransformation(init, update), tx, by_entry=True)

@@ -147,7 +147,7 @@ def rmsprop(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec))
+    return shardable(build(spec), by_entry=not callable(mask))
 
 
 def adagrad(
@@ -220,4 +220,4 @@ def adagrad(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec))
+    return shardable(build(spec), by_entry=not callable(mask))

@@ -118,4 +118,4 @@ def sgd(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec))
+    return shardable(build(spec), by_entry=not callable(mask))

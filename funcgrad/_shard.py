@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _flat
 from . import _rule_base as _rb
 from ._base import (
     GradientTransformation,
@@ -40,6 +41,7 @@ from ._base import (
     State,
     averages_over_ranks,
     check_state,
+    is_by_entry,
     is_shardable,
     params_device,
 )
@@ -99,7 +101,7 @@ class Rows:
 class _Record:
     """The first pass of :meth:`Ranks.batched`: keeps each partial, answers locally."""
 
-    def __init__(self, ranks: Ranks) -> None:
+    def __init__(self, ranks: _Group) -> None:
         self.ranks = ranks
         self.partials: list[Tensor] = []
         self.kinds: list[str] = []
@@ -129,7 +131,7 @@ class _Record:
 class _Replay(_Record):
     """The second pass: answers each statistic, in the same order, with its total."""
 
-    def __init__(self, ranks: Ranks, totals: Tensor, kinds: list[str]) -> None:
+    def __init__(self, ranks: _Group, totals: Tensor, kinds: list[str]) -> None:
         super().__init__(ranks)
         self.totals, self.expected, self.i = totals, kinds, 0
 
@@ -154,20 +156,19 @@ class _Replay(_Record):
             self._next("(none)")
 
 
-class Ranks:
-    """The ranks of one process group and the row layout of one set of parameters."""
+class _Group:
+    """The ranks of one process group, and how statistics combine over them (the
+    protocol of ``_rule_base.Shards``); subclasses say which entries a rank holds."""
 
-    def __init__(self, group: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, group: Any) -> None:
         self.group = group
         self.pg: Any = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.rows = {k: Rows(s, self.rank, self.world) for k, s in shapes.items()}
 
     # In a group of one rank every collective is the identity: none is issued (the
-    # rows are the whole tensors), so fg.sharded there costs what tx costs.
+    # rank holds everything), so fg.sharded there costs what tx costs.
 
-    # ---- the statistics protocol of _rule_base.Shards
     def any(self, flag: Tensor) -> Tensor:
         import torch.distributed._functional_collectives as fc
 
@@ -179,18 +180,6 @@ class Ranks:
         import torch.distributed._functional_collectives as fc
 
         return partial if self.world == 1 else fc.all_reduce(partial, "sum", self.pg)
-
-    def numel(self, name: str) -> int:
-        return math.prod(self.rows[name].shape)
-
-    def on_whole(
-        self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Mapping[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """``fn`` on the whole group gathered from all ranks; this rank's rows of it."""
-        whole = self.gather(group)
-        with _rb.active(None):  # fn sees whole tensors: nothing more to combine
-            out = fn(whole)
-        return {k: self.rows[k].local(v) for k, v in out.items()}
 
     def batched(self, fn: Callable[[], T]) -> T:
         """``fn()`` with all its statistics combined in one all-reduce instead of one
@@ -209,6 +198,43 @@ class Ranks:
             out = fn()
         replay.done()
         return out
+
+    def on_whole(
+        self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """``fn`` on the whole group gathered from all ranks; this rank's part of it."""
+        whole = self.gather_names(group)
+        with _rb.active(None):  # fn sees whole tensors: nothing more to combine
+            out = fn(whole)
+        return self.local(out)
+
+    def numel(self, name: str) -> int:
+        raise NotImplementedError
+
+    def local(self, tree: Mapping[str, Tensor]) -> Any:
+        raise NotImplementedError
+
+    def gather_names(self, pieces: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+
+class Ranks(_Group):
+    """Rows: rank ``r`` holds its rows of every tensor (:class:`Rows`)."""
+
+    def __init__(self, group: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        super().__init__(group)
+        self.rows = {k: Rows(s, self.rank, self.world) for k, s in shapes.items()}
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.rows[name].shape)
+
+    def same_shapes(self, grads: Params) -> bool:
+        return grads.keys() == self.rows.keys() and all(
+            tuple(g.shape) == self.rows[k].shape for k, g in grads.items()
+        )
+
+    def key(self) -> tuple[Any, ...]:
+        return ("rows", tuple((k, rows.shape) for k, rows in self.rows.items()))
 
     # ---- moving rows
     def scatter_mean(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -241,8 +267,125 @@ class Ranks:
                 out[k] = self.rows[k].whole(b)
         return {k: out[k] for k in pieces}
 
+    gather_names = gather
+
     def local(self, tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {k: self.rows[k].local(t) for k, t in tree.items()}
+
+
+class Chunks(_Group):
+    """Equal chunks of the flat buffers, as ZeRO splits them: of a buffer of ``n``
+    entries rank ``r`` of ``N`` holds entries ``[r*c, min((r+1)*c, n))``,
+    ``c = ceil(n / N)``. ``tx`` sees a :class:`funcgrad.Flat` over the rank's chunks,
+    whose entry for each name is that tensor's piece of the chunk: a 1-D run of its
+    flattened entries, possibly empty. One reduce-scatter and one all-gather per
+    buffer; every statistic a rule takes combines across ranks as with rows."""
+
+    def __init__(self, group: Any, layout: _flat.Layout) -> None:
+        super().__init__(group)
+        self.whole = layout
+        self.chunk = [-(-n // self.world) for n in layout.sizes]
+        self.shapes = {n: s for n, (_, _, s) in zip(layout.names, layout.entries, strict=True)}
+        self.mine = self.layout_of(self.rank)
+
+    def span(self, rank: int, b: int) -> tuple[int, int]:
+        """The entries ``[lo, hi)`` of buffer ``b`` that ``rank`` holds."""
+        n, c = self.whole.sizes[b], self.chunk[b]
+        return min(rank * c, n), min(rank * c + c, n)
+
+    def piece(self, rank: int, name: str) -> tuple[int, int]:
+        """The run ``[a, e)`` of ``name``'s flattened entries that ``rank`` holds."""
+        b, o, s = self.whole.entries[self.whole.index[name]]
+        lo, hi = self.span(rank, b)
+        n = math.prod(s)
+        a, e = min(max(o, lo), hi), min(max(o + n, lo), hi)
+        return a - o, max(a, e) - o
+
+    def layout_of(self, rank: int) -> _flat.Layout:
+        entries = []
+        for name, (b, o, _) in zip(self.whole.names, self.whole.entries, strict=True):
+            a, e = self.piece(rank, name)
+            entries.append((b, o + a - self.span(rank, b)[0], (e - a,)))
+        return _flat.Layout.of(self.whole.names, entries)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.shapes[name])
+
+    def same_shapes(self, grads: Params) -> bool:
+        if isinstance(grads, _flat.Flat):
+            return grads.layout is self.whole
+        return list(grads) == list(self.whole.names) and all(
+            tuple(g.shape) == self.shapes[k] for k, g in grads.items()
+        )
+
+    def key(self) -> tuple[Any, ...]:
+        return ("chunks", self.whole)
+
+    def local(self, tree: Mapping[str, Tensor]) -> Any:  # a Flat in self.mine
+        """This rank's chunks of ``tree`` (whole tensors, any layout): views of a
+        :class:`funcgrad.Flat` in ``self.whole``; a plain dict of pieces otherwise."""
+        if isinstance(tree, _flat.Flat) and tree.layout is self.whole:
+            spans = [self.span(self.rank, b) for b in range(len(tree.buffers))]
+            chunks = [t[lo:hi] for t, (lo, hi) in zip(tree.buffers, spans, strict=True)]
+            return _flat.Flat(chunks, self.mine)
+        out = {}
+        for k, t in tree.items():
+            a, e = self.piece(self.rank, k)
+            out[k] = t.reshape(-1)[a:e]
+        return out
+
+    def scatter_mean(self, grads: Mapping[str, Tensor]) -> Any:  # a Flat in self.mine
+        """The mean over ranks of ``grads``, this rank's chunks: one reduce-scatter
+        per buffer."""
+        import torch.distributed._functional_collectives as fc
+
+        whole = _flat.pack(grads, self.whole)
+        if self.world == 1:
+            return self.local(whole)
+        out = []
+        for b, buf in enumerate(whole.buffers):
+            lo, hi = self.span(self.rank, b)
+            padded = _pad(buf, self.world * self.chunk[b])
+            mine = fc.reduce_scatter_single(padded, "sum", 0, self.pg) / self.world
+            out.append(mine[: hi - lo])
+        return _flat.Flat(out, self.mine)
+
+    def gather(self, pieces: Mapping[str, Tensor]) -> Any:  # a Flat in self.whole
+        """The whole buffers from every rank's chunks: one all-gather per buffer."""
+        import torch.distributed._functional_collectives as fc
+
+        mine = _flat.pack(pieces, self.mine)
+        if self.world == 1:
+            return _flat.Flat(mine.buffers, self.whole)
+        out = []
+        for b, buf in enumerate(mine.buffers):
+            every = fc.all_gather_single(_pad(buf, self.chunk[b]), 0, self.pg)
+            out.append(every[: self.whole.sizes[b]])
+        return _flat.Flat(out, self.whole)
+
+    def gather_names(self, pieces: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Whole tensors from every rank's pieces of them: one all-gather per name
+        (for what needs a few whole tensors: a rule that is not shard-safe, a
+        checkpoint)."""
+        import torch.distributed._functional_collectives as fc
+
+        out = {}
+        for k, piece in pieces.items():
+            runs = [self.piece(r, k) for r in range(self.world)]
+            if self.world == 1:
+                every = piece.reshape(1, -1)
+            else:
+                longest = max(e - a for a, e in runs)
+                every = fc.all_gather_single(_pad(piece.reshape(-1), longest), 0, self.pg)
+                every = every.reshape(self.world, longest)
+            parts = [every[r, : e - a] for r, (a, e) in enumerate(runs)]
+            out[k] = torch.cat(parts).reshape(self.shapes[k])
+        return out
+
+
+def _pad(t: Tensor, n: int) -> Tensor:
+    """1-D ``t`` with zeros appended up to ``n`` entries."""
+    return torch.cat([t, t.new_zeros(n - t.shape[0])]) if n > t.shape[0] else t
 
 
 def _initialized(who: str) -> None:
@@ -273,7 +416,7 @@ def _signature(params: Params, whole_state: State) -> list[tuple[str, str]]:
     return sig
 
 
-def _check_same_on_all_ranks(ranks: Ranks, sig: list[tuple[str, str]]) -> None:
+def _check_same_on_all_ranks(ranks: _Group, sig: list[tuple[str, str]]) -> None:
     """Compare every rank's signature with rank 0's; the same error on every rank."""
     every: list[Any] = [None] * ranks.world
     dist.all_gather_object(every, sig, group=ranks.group)
@@ -295,37 +438,64 @@ def _check_same_on_all_ranks(ranks: Ranks, sig: list[tuple[str, str]]) -> None:
 
 class Layout(NamedTuple):
     """What a checkpoint needs to describe the shards: the group, and for each leaf of
-    ``tx``'s state (optree order) its whole shape if it is split by rows, else None."""
+    ``tx``'s state (optree order) its whole shape if it is split like the
+    parameters, else None; with flat chunks, also the parameter each split leaf
+    belongs to (its piece of the chunk is that parameter's)."""
 
-    ranks: Ranks
+    ranks: Ranks | Chunks
     whole: list[tuple[int, ...] | None]
     device: torch.device
+    names: list[str | None]
 
 
 def _leaf_layout(
-    tx: GradientTransformation, params: Params
-) -> tuple[list[tuple[int, ...] | None], State]:
-    """Init ``tx`` on shape-only parameters twice, once with one extra row each: the
-    state leaves whose shape follows the rows are split like the parameters. Also
-    returns the (shape-only) unsharded state."""
+    tx: GradientTransformation, params: Params, ranks: Ranks | Chunks
+) -> tuple[list[tuple[int, ...] | None], list[str | None], State]:
+    """Init ``tx`` on shape-only parameters twice, once with one more entry in each
+    (a row, or with flat chunks one more entry of a 1-D piece): the state leaves
+    whose shape follows are split like the parameters. Also returns, per leaf, the
+    parameter it belongs to (flat chunks), and the (shape-only) unsharded state."""
+    if isinstance(ranks, Chunks):
+        dtypes = [b.dtype for b in params.buffers]  # type: ignore[attr-defined]
 
-    def meta(extra: int) -> Params:
-        out = {}
-        for k, p in params.items():
-            shape = (
-                (p.shape[0] + extra, *p.shape[1:]) if p.dim() else ((1 + extra,) if extra else ())
-            )
-            out[k] = torch.empty(shape, dtype=p.dtype, device="meta")
-        return out
+        def meta(extra: int) -> Params:
+            entries, fill = [], [0] * len(dtypes)
+            for b, _, shape in ranks.whole.entries:
+                shape = (math.prod(shape) + 1,) if extra else shape
+                entries.append((b, fill[b], shape))
+                fill[b] += math.prod(shape)
+            lay = _flat.Layout.of(ranks.whole.names, entries)
+            sizes = zip(lay.sizes, dtypes, strict=True)
+            bufs = [torch.empty(n, dtype=d, device="meta") for n, d in sizes]
+            return _flat.Flat(bufs, lay)  # type: ignore[return-value]
+    else:
+
+        def meta(extra: int) -> Params:
+            out = {}
+            for k, p in params.items():
+                d0 = p.shape[0] if p.dim() else 1
+                shape = (d0 + extra, *p.shape[1:]) if p.dim() or extra else ()
+                out[k] = torch.empty(shape, dtype=p.dtype, device="meta")
+            return out
 
     whole_state = tx.init(meta(0))
-    _, whole, _ = flatten(whole_state)
+    accessors, whole, _ = flatten(whole_state)
     _, probe, _ = flatten(tx.init(meta(1)))
     kinds: list[tuple[int, ...] | None] = []
-    for w, p in zip(whole, probe, strict=True):
+    names: list[str | None] = []
+    for a, w, p in zip(accessors, whole, probe, strict=True):
         split = isinstance(w, Tensor) and isinstance(p, Tensor) and w.shape != p.shape
         kinds.append(tuple(w.shape) if split else None)
-    return kinds, whole_state
+        name = a[-1].entry if split and len(a) else None
+        if split and isinstance(ranks, Chunks) and name not in ranks.shapes:
+            raise TypeError(
+                f"fg.sharded: tx's state entry {a.codify('state')} follows the parameters' "
+                "shapes but is not keyed by a parameter name, so it cannot be split into "
+                "flat chunks. Pass parameters that are not a funcgrad.Flat (dict(params)) "
+                "to split it by rows instead."
+            )
+        names.append(name if split else None)
+    return kinds, names, whole_state
 
 
 def sharded(
@@ -426,10 +596,14 @@ def sharded(
     def init(params: Params) -> ShardedState:
         _initialized("fg.sharded.init")
         refuse_transforms("fg.sharded", params)
-        ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
-        kinds, whole_state = _leaf_layout(tx, params)
+        ranks: Ranks | Chunks
+        if isinstance(params, _flat.Flat) and is_by_entry(tx):
+            ranks = Chunks(group, params.layout)
+        else:
+            ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
+        kinds, names, whole_state = _leaf_layout(tx, params, ranks)
         _check_same_on_all_ranks(ranks, _signature(params, whole_state))
-        cls = state_class(Layout(ranks, kinds, params_device(params)))
+        cls = state_class(Layout(ranks, kinds, params_device(params), names))
         return cls(tx.init(cls.layout.ranks.local(params)))  # type: ignore[attr-defined]
 
     def update(
@@ -438,7 +612,7 @@ def sharded(
         check_state(state, ShardedState, "fg.sharded")
         refuse_transforms("fg.sharded", grads, params)
         layout: Layout | None = getattr(type(state), "layout", None)
-        if layout is None or not _same_shapes(layout.ranks, grads):
+        if layout is None or not layout.ranks.same_shapes(grads):
             raise ValueError(
                 "fg.sharded.update: the state was made for other parameters (names or "
                 "shapes). Build it with tx.init(params) for the parameters you train."
@@ -455,11 +629,4 @@ def sharded(
 
 def _key(layout: Layout) -> tuple[Any, ...]:
     r = layout.ranks
-    shapes = tuple((k, rows.shape) for k, rows in r.rows.items())
-    return (id(r.pg), r.rank, r.world, shapes, tuple(layout.whole), layout.device)
-
-
-def _same_shapes(ranks: Ranks, grads: Params) -> bool:
-    return grads.keys() == ranks.rows.keys() and all(
-        tuple(g.shape) == ranks.rows[k].shape for k, g in grads.items()
-    )
+    return (id(r.pg), r.rank, r.world, r.key(), tuple(layout.whole), layout.device)

@@ -1,5 +1,8 @@
 """Checkpoints of ``fg.sharded`` states: each rank's rows as one whole tensor.
 
+A state split in flat chunks is saved the same way (each piece gathered whole, then
+cut into this rank's rows), so a checkpoint does not depend on the split.
+
 :func:`checkpoint_view` turns a ``ShardedState``'s row-split leaves into ``DTensor``s of
 their whole shapes for ``torch.distributed.checkpoint`` (``fg.state_dict``);
 :func:`whole_template` gives ``fg.load_state_dict`` the whole shapes to check a
@@ -17,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ._base import State
-from ._shard import Layout, Rows, ShardedState
+from ._shard import Chunks, Layout, Rows, ShardedState
 from ._tree import flatten
 
 
@@ -42,8 +45,16 @@ def checkpoint_view(state: ShardedState) -> State:
         raise ValueError("fg.state_dict: the ShardedState does not match its layout.")
     mesh = DeviceMesh.from_group(ranks.pg, layout.device.type)
     out: list[Any] = []
-    for leaf, whole in zip(leaves, layout.whole, strict=True):
+    for leaf, whole, name in zip(leaves, layout.whole, layout.names, strict=True):
+        if whole is not None and isinstance(ranks, Chunks):
+            # a piece of a flat chunk: the whole tensor, then this rank's rows of it, so
+            # the checkpoint is the same as with rows (and loads into either layout)
+            leaf = ranks.gather_names({str(name): leaf})[str(name)]
+            leaf = leaf if len(whole) == 0 else Rows(whole, ranks.rank, ranks.world).local(leaf)
+            leaf = leaf.clone()
         if whole is None:
+            out.append(leaf)
+        elif len(whole) == 0 and isinstance(ranks, Chunks):
             out.append(leaf)
         elif len(whole) == 0:  # a 0-d parameter's: rank 0 holds its one row
             value = leaf.reshape(()).clone() if ranks.rank == 0 else leaf.new_empty(())
@@ -69,19 +80,25 @@ def whole_template(state: ShardedState) -> tuple[State, Callable[[State], Sharde
     their whole shapes), and the function that cuts a loaded whole state back to this
     rank's rows."""
     layout = _layout_of(state, "fg.load_state_dict")
-    rank, world = layout.ranks.rank, layout.ranks.world
+    ranks = layout.ranks
+    rank, world = ranks.rank, ranks.world
     _, leaves, spec = flatten(state.inner)
     template = [
         leaf if whole is None else torch.empty(whole, dtype=leaf.dtype, device="meta")
         for leaf, whole in zip(leaves, layout.whole, strict=True)
     ]
 
+    def piece(value: Any, whole: tuple[int, ...] | None, name: str | None) -> Any:
+        if whole is None:
+            return value
+        if isinstance(ranks, Chunks):
+            a, e = ranks.piece(rank, name)  # type: ignore[arg-type]
+            return value.reshape(-1)[a:e].clone()
+        return Rows(whole, rank, world).local(value).clone()
+
     def cut(whole_state: State) -> ShardedState:
         _, loaded, _ = flatten(whole_state)
-        mine = [
-            value if whole is None else Rows(whole, rank, world).local(value).clone()
-            for value, whole in zip(loaded, layout.whole, strict=True)
-        ]
+        mine = [piece(*leaf) for leaf in zip(loaded, layout.whole, layout.names, strict=True)]
         return type(state)(optree.tree_unflatten(spec, mine))
 
     return optree.tree_unflatten(spec, template), cut

@@ -86,7 +86,7 @@ def per_group(
         # Under fg.sharded, funcgrad's rules get every group's statistics in one collective.
         return (_rb.batched(apply_all) if _rb.reads_input_only(rule) else apply_all()), state
 
-    return shardable(GradientTransformation(init, update))
+    return shardable(GradientTransformation(init, update), by_entry=True)
 
 
 def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, int, int]] | None:
@@ -242,7 +242,7 @@ def monitor(
         )
         return grads, MonitorState(new)
 
-    return shardable(GradientTransformation(init, update))
+    return shardable(GradientTransformation(init, update), by_entry=True)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -266,4 +266,4 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return from_buffers(rule(by_buffer(grads)), grads.layout)  # type: ignore[return-value]
         return rule(grads)
 
-    return shardable(stateless(clip))
+    return shardable(stateless(clip), by_entry=True)

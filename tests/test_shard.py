@@ -40,6 +40,8 @@ def test_setup_has_a_parameter_shard_that_is_all_zero_while_its_layer_is_not():
     assert (g["fc1.weight"][:2] != 0).any()
 
 
+# fg.params gives flat buffers: fg.sharded splits them in equal chunks (ZeRO); a
+# "+rows" mode trains a plain dict of the same parameters, split by rows.
 @pytest.mark.parametrize(
     ("mode", "world"),
     [
@@ -49,6 +51,8 @@ def test_setup_has_a_parameter_shard_that_is_all_zero_while_its_layer_is_not():
         ("compiled", 2),
         ("compiled_inductor", 3),
         ("gradients", 2),
+        ("eager+rows", 3),
+        ("compiled+rows", 2),
     ],
 )
 def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp_path):
@@ -57,6 +61,7 @@ def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp
     unsharded = sw.state_bytes(state)
     for rank in range(world):
         got = load(tmp_path, mode, rank)
+        assert got["split"] == ("Ranks" if mode.endswith(sw.ROWS) else "Chunks")
         for k in params:
             torch.testing.assert_close(got["params"][k], params[k], rtol=1e-12, atol=1e-12)
         for name in ("before", "after"):  # monitor before and after the rules
@@ -64,7 +69,7 @@ def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp
                 for s, v in stats.items():
                     torch.testing.assert_close(got["monitor"][name][g][s], v)
         assert got["skipped"] == int(state["update"].skipped) == 1  # the NaN batch
-        # State per rank: this rank's rows of mu, nu (+ padding rows at most), the
+        # State per rank: this rank's part of mu, nu (+ padding rows at most), the
         # counters and monitor statistics whole.
         split = sum(t.numel() * t.element_size() for p, t in tensor_paths(state) if t.dim())
         assert got["state_bytes"] <= unsharded - split + split / world + 64 * world
@@ -109,28 +114,38 @@ def test_accumulate_inside_and_outside_sharded(tmp_path):
 
 # Each counterfactual undoes one piece of fg.sharded in the workers and shows that the
 # equality test above would then fail: the norm that the "after" monitor records moves.
+# Split by rows over 2 ranks, rank 1 holds rows 2-3 of fc1 (all zero); in flat chunks
+# over 3 ranks (32 entries, 11 per rank), rank 1 holds fc1.bias[2:4] (zero) and no
+# entry of fc1.weight: both make one rank's part of fc1 all-zero while fc1 is not.
 COUNTERFACTUALS = {
-    # Statistics left per rank: rank 1 sees its rows of fc1 all-zero and fills them
-    # with 1.0 instead of 0.5 (fc1's norm becomes the clip's 2.0 instead of ~1.34).
-    "per_shard": ("fc1", 0.5),
+    # Statistics left per rank: rank 1 sees its part of fc1 all-zero and fills it
+    # with 1.0 instead of 0.5 (fc1's norm becomes the clip's 2.0 instead of ~1.34 by
+    # rows; ~1.82 in chunks, where rank 1's part is two entries).
+    ("per_shard", "rows"): ("fc1", 0.5),
+    ("per_shard", "chunks"): ("fc1", 0.3),
     # nested_rule clips the seed rule's output. Combining all its statistics in one
     # collective (as funcgrad's own rules are) would clip by the norm of the first,
-    # uncombined pass, where rank 1 filled its all-zero rows with 1.0.
-    "nested_batched": ("fc1", 0.1),
+    # uncombined pass, where rank 1 filled its all-zero rows with 1.0. (Rows only: in
+    # chunks rank 1's two entries do not lift fc1's norm over the clip; the batching
+    # is the same code for both.)
+    ("nested_batched", "rows"): ("fc1", 0.1),
     # custom_rule is no shard-safe Rule, so fg.per_group gathers fc2 before applying
-    # it; applied to each rank's rows instead, it computes another total.
-    "custom_on_shards": ("fc2", 1e-3),
+    # it; applied to each rank's part instead, it computes another total.
+    ("custom_on_shards", "rows"): ("fc2", 1e-3),
+    ("custom_on_shards", "chunks"): ("fc2", 0.1),
 }
 
 
-@pytest.mark.parametrize("mode", COUNTERFACTUALS)
-def test_without_each_piece_of_sharding_the_result_would_differ(mode, reference, tmp_path):
-    group, at_least = COUNTERFACTUALS[mode]
-    sw.run(mode, tmp_path, 2)
+@pytest.mark.parametrize(("mode", "split"), COUNTERFACTUALS)
+def test_without_each_piece_of_sharding_the_result_would_differ(mode, split, reference, tmp_path):
+    group, at_least = COUNTERFACTUALS[mode, split]
+    world, mode = (2, mode + sw.ROWS) if split == "rows" else (3, mode)
+    sw.run(mode, tmp_path, world)
     want = reference[1]["after"].stats[group]["norm"]
-    for rank in (0, 1):
-        got = load(tmp_path, mode, rank)["monitor"]["after"][group]["norm"]
-        assert abs(float(got) - float(want)) > at_least
+    for rank in range(world):
+        got = load(tmp_path, mode, rank)
+        assert got["split"] == ("Ranks" if split == "rows" else "Chunks")
+        assert abs(float(got["monitor"]["after"][group]["norm"]) - float(want)) > at_least
 
 
 @pytest.mark.parametrize(
@@ -168,20 +183,25 @@ def test_a_stalled_rank_ends_the_others_within_the_timeout(tmp_path):
 
 
 def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_path):
-    """Save at step 4 on 2 ranks (fg.save_checkpoint of a sharded state), then continue: on the
-    same 2 ranks (uninterrupted), on 3 ranks, on 2 ranks again (resumed), and
-    unsharded in this process."""
+    """Save at step 4 on 2 ranks (fg.save_checkpoint of a state in flat chunks), then
+    continue: on the same 2 ranks (uninterrupted), on 3 ranks (in chunks, and split
+    by rows), on 2 ranks again (resumed), and unsharded in this process."""
     sw.run("save", tmp_path, 2)
     sw.run("load", tmp_path, 3)
-    saved, resumed = load(tmp_path, "save", 0), load(tmp_path, "load", 2)
-    # The state that 3 ranks rebuilt is the state 2 ranks saved, bit for bit.
+    sw.run("load" + sw.ROWS, tmp_path, 3)  # the same checkpoint, split by rows
+    saved = load(tmp_path, "save", 0)
+    assert saved["split"] == "Chunks"
     want = dict(tensor_paths(saved["saved_state"]))
-    have = dict(tensor_paths(resumed["loaded_state"]))
-    assert want.keys() == have.keys()
-    for k in want:
-        torch.testing.assert_close(have[k], want[k], rtol=0, atol=0, equal_nan=True)
-    for k, v in saved["params"].items():
-        torch.testing.assert_close(resumed["params"][k], v, rtol=1e-12, atol=1e-12)
+    for mode in ("load", "load" + sw.ROWS):
+        resumed = load(tmp_path, mode, 2)
+        assert resumed["split"] == ("Ranks" if mode.endswith(sw.ROWS) else "Chunks")
+        # The state that 3 ranks rebuilt is the state 2 ranks saved, bit for bit.
+        have = dict(tensor_paths(resumed["loaded_state"]))
+        assert want.keys() == have.keys()
+        for k in want:
+            torch.testing.assert_close(have[k], want[k], rtol=0, atol=0, equal_nan=True)
+        for k, v in saved["params"].items():
+            torch.testing.assert_close(resumed["params"][k], v, rtol=1e-12, atol=1e-12)
     # Back on 2 ranks, the resumed run is the uninterrupted one, bit for bit.
     sw.run("load", tmp_path, 2)
     for rank in (0, 1):

@@ -125,8 +125,17 @@ def loss_fn(m: nn.Module):
     return loss
 
 
-def train(m, tx, step, rank, world, steps=range(STEPS), params=None, state=None):
-    params = fg.params(m) if params is None else params
+ROWS = "+rows"
+"""A mode ending in this runs on a plain dict of the parameters: fg.sharded splits
+them by rows instead of in flat chunks."""
+
+
+def params_for(m: nn.Module, mode: str = ""):
+    return dict(fg.params(m)) if mode.endswith(ROWS) else fg.params(m)
+
+
+def train(m, tx, step, rank, world, steps=range(STEPS), params=None, state=None, mode=""):
+    params = params_for(m, mode) if params is None else params
     state = tx.init(params) if state is None else state
     n = BATCH // world
     data = batches()
@@ -236,9 +245,10 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         if mode == "mismatch_tx":
             m = model()
             fg.sharded(make_tx(m, amsgrad=rank == 2)).init(fg.params(m))
-        if mode == "per_shard":  # statistics NOT combined: each rank decides on its rows
-            _shard.Ranks.any = lambda self, flag: flag  # type: ignore[method-assign]
-            _shard.Ranks.batched = lambda self, fn: fn()  # type: ignore[method-assign]
+        layout, mode = mode, mode.removesuffix(ROWS)  # layout: the mode as given
+        if mode == "per_shard":  # statistics NOT combined: each rank decides on its part
+            _shard._Group.any = lambda self, flag: flag  # type: ignore[method-assign]
+            _shard._Group.batched = lambda self, fn: fn()  # type: ignore[method-assign]
         if mode == "nested_batched":  # the nested rule's statistics in one collective
             _rule_base.reads_input_only = _rule_base.is_shard_safe
         if mode == "custom_on_shards":  # the custom rule run on rows, not the whole group
@@ -295,14 +305,14 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         step = fg.make_step(loss_fn(m), tx, compile=compile, donate=True)
         counters.clear()
         if mode == "save":
-            params, state = train(m, tx, step, rank, world, steps=range(NAN_STEP + 1))
+            params, state = train(m, tx, step, rank, world, range(NAN_STEP + 1), mode=layout)
             fg.save_checkpoint(os.path.join(out, "ckpt"), params, state, step=NAN_STEP + 1)
             result["saved_state"] = _shard_checkpoint.full_tensors(fg.state_dict(state))
             params, state = train(
                 m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
             )
         elif mode == "load":
-            params = fg.params(m)
+            params = params_for(m, layout)
             params, state, extra = fg.load_checkpoint(os.path.join(out, "ckpt"), tx, params)
             assert extra == {"step": NAN_STEP + 1}
             result["loaded_state"] = _shard_checkpoint.full_tensors(fg.state_dict(state))
@@ -310,8 +320,9 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 m, tx, step, rank, world, range(NAN_STEP + 1, STEPS), params, state
             )
         else:
-            params, state = train(m, tx, step, rank, world)
+            params, state = train(m, tx, step, rank, world, mode=layout)
         result.update(
+            split=type(type(state).layout.ranks).__name__,
             params={k: v.clone() for k, v in params.items()},
             monitor={
                 name: {g: dict(s) for g, s in state.inner[name].stats.items()}
@@ -322,7 +333,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             graphs=counters["stats"]["unique_graphs"],
             breaks=sum(counters["graph_break"].values()),
         )
-        torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
+        torch.save(result, Path(out) / f"{layout}-rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
