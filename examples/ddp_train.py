@@ -11,7 +11,7 @@ the same global gradient and the parameters stay identical on all ranks (checked
 the end). Started without torchrun, it runs as a single process.
 
 With ``--sharded`` the chain is wrapped in ``fg.sharded`` instead (ZeRO-2): each rank
-keeps Adam's moments for its rows of every parameter only, the rule still decides on
+keeps Adam's moments for its equal chunk of the flat parameters only, the rule decides on
 the global gradient, and the script prints the optimizer state each rank holds:
 
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --sharded
@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--sharded",
         action="store_true",
-        help="keep only this rank's rows of the optimizer state (fg.sharded, ZeRO-2)",
+        help="keep only this rank's share of the optimizer state (fg.sharded, ZeRO-2)",
     )
     ap.add_argument(
         "--timeout",

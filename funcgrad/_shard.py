@@ -1,23 +1,30 @@
 """Sharded optimizer state (ZeRO-2) as a transformation: :func:`sharded`.
 
-Each tensor is split along its first dimension the way ``torch.chunk`` (and so
-``DTensor``'s ``Shard(0)``) splits it: rank ``r`` of ``N`` holds rows
-``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``; a 0-d tensor counts as one
-row. Rows keep the trailing shape, so a rank's piece of a ``(out, in)`` weight is a
-``(rows, in)`` matrix, and a checkpoint can describe it as a ``DTensor`` of the full
-shape (``torch.distributed.checkpoint`` then reshards it to any number of ranks;
-``funcgrad/_shard_checkpoint.py``).
+Each rank holds a part of every gradient, update and state tensor, cut one of two ways:
+
+- :class:`Chunks`, for a :class:`funcgrad.Flat` (``fg.params``) when every part of
+  ``tx`` works entry by entry without reading shapes (``_base.is_by_entry``): each
+  flat buffer in equal chunks, as ZeRO cuts it; a tensor's piece is a 1-D run of its
+  entries.
+- :class:`Ranks` otherwise: each tensor along its first dimension the way
+  ``torch.chunk`` (and so ``DTensor``'s ``Shard(0)``) splits it: rank ``r`` of ``N``
+  holds rows ``[r*c, min((r+1)*c, d0))`` with ``c = ceil(d0 / N)``; a 0-d tensor
+  counts as one row. Rows keep the trailing shape.
+
+Either way a checkpoint describes each tensor as a ``DTensor`` of its whole shape
+split by rows (``torch.distributed.checkpoint`` then reshards it to any number of
+ranks and either cut; ``funcgrad/_shard_checkpoint.py``).
 
 One step, per rank:
 
-1. the gradients of each dtype go out as one flat buffer (each tensor padded to
-   ``N*c`` rows) in one reduce-scatter; the rank keeps the mean of its rows;
-2. ``tx`` runs on those rows with the rank's rows of the parameters and its own
+1. the gradients go out in one reduce-scatter per buffer (chunks) or dtype (rows,
+   each tensor padded to ``N*c`` rows); the rank keeps the mean of its part;
+2. ``tx`` runs on that part with the rank's part of the parameters and its own
    state. Every per-group statistic it takes through funcgrad's conditions
    (``funcgrad._rule_base``) is combined across ranks with one small all-reduce, so
    a rule decides on the global gradient (see that module's docstring);
-3. the updates of each dtype come back as one flat buffer in one all-gather, and
-   every rank returns the same full updates.
+3. the updates come back in one all-gather per buffer or dtype, and every rank
+   returns the same full updates.
 
 All collectives are ``torch.distributed._functional_collectives``: traced into the
 compiled step as graph ops, one graph per rank.
@@ -298,14 +305,15 @@ class Chunks(_Group):
         b, o, s = self.whole.entries[self.whole.index[name]]
         lo, hi = self.span(rank, b)
         n = math.prod(s)
-        a, e = min(max(o, lo), hi), min(max(o + n, lo), hi)
-        return a - o, max(a, e) - o
+        return min(max(lo - o, 0), n), min(max(hi - o, 0), n)
 
     def layout_of(self, rank: int) -> _flat.Layout:
+        """The layout of ``rank``'s chunks: each name's piece, 1-D, where it lies."""
         entries = []
         for name, (b, o, _) in zip(self.whole.names, self.whole.entries, strict=True):
             a, e = self.piece(rank, name)
-            entries.append((b, o + a - self.span(rank, b)[0], (e - a,)))
+            lo, hi = self.span(rank, b)
+            entries.append((b, min(max(o, lo), hi) - lo, (e - a,)))
         return _flat.Layout.of(self.whole.names, entries)
 
     def numel(self, name: str) -> int:
@@ -503,8 +511,12 @@ def sharded(
 ) -> GradientTransformation:
     """``tx`` with its state split across the ranks of ``group`` (ZeRO-2).
 
-    Each rank keeps ``tx``'s state for its rows of every parameter only (about 1/N of
-    it): the mean gradient is reduce-scattered, ``tx`` runs on the rank's rows with
+    Each rank keeps ``tx``'s state for its part of the parameters only (1/N of it):
+    for ``fg.params(model)``, an equal chunk of each flat buffer (as ZeRO cuts it;
+    ``tx`` then sees each tensor's piece as a 1-D run of entries); for a plain dict,
+    or a ``tx`` that reads shapes (``fg.adafactor``, ``fg.muon``, a mask or labels
+    given as a function), its rows of every tensor. The mean gradient is
+    reduce-scattered, ``tx`` runs on the rank's part with
     every per-group statistic (``all_zero``, zero counts, norms, ``monitor``,
     ``clip_by_global_norm``, ``skip_if_nonfinite``) combined across ranks, and the
     updates are all-gathered, so every rank ends the step with the same full
@@ -520,9 +532,9 @@ def sharded(
     (they are elementwise on the rows); a transformation of your own (``fg.stateless``
     or a custom ``GradientTransformation``) is an error unless you pass
     ``assume_shardable=True`` after checking that each of its output entries depends
-    only on the same entry of its inputs. ``tx`` sees ``(rows, *trailing shape)``
-    pieces, and a 0-d parameter as a 1-d piece of 0 or 1 rows: masks and labels
-    given as functions of tensors see the pieces.
+    only on the same entry of its inputs. Split by rows, ``tx`` sees
+    ``(rows, *trailing shape)`` pieces, and a 0-d parameter as a 1-d piece of 0 or 1
+    rows: masks and labels given as functions of tensors see the pieces.
 
     Checkpoints: ``fg.state_dict(state)`` gives ``DTensor`` s of the whole shapes, for
     ``torch.distributed.checkpoint``; see ``docs/distributed.md``.
@@ -536,7 +548,7 @@ def sharded(
     Example (two processes, e.g. ``torchrun --nproc_per_node=2``)::
 
         tx = fg.sharded(fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam()))
-        state = tx.init(params)       # each rank: its rows of mu and nu
+        state = tx.init(params)       # each rank: its chunk of mu and nu
         step = fg.make_step(loss_fn, tx, compile=True, donate=True)
 
     Runnable in one process (a group of one rank, which holds all the rows):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -324,3 +325,67 @@ def test_a_state_keeps_its_layout_when_the_transformation_is_initialized_again(o
     tx.init(large)  # another layout made meanwhile changes nothing for this state
     params, state, _ = step(params, state, x)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, monkeypatch):
+    """ZeRO's split: each buffer in ceil(n / N) entries per rank (the last ones shorter
+    or empty); each parameter's pieces, rank after rank, are its entries in order."""
+    D = torch.float64
+    named = {
+        "t": torch.tensor(2.0, dtype=D),  # 0-d
+        "w": torch.arange(12, dtype=D).reshape(3, 4),
+        "h": torch.arange(5, dtype=torch.float32),  # a second buffer (other dtype)
+        "e": torch.zeros(0, 3, dtype=D),  # empty
+        "b": torch.arange(7, dtype=D),
+    }
+    flat = fg._flat.pack(named, fg._flat.Layout.for_tensors(named))
+    monkeypatch.setattr(_shard.dist, "get_world_size", lambda group=None: world)
+    parts = []
+    for rank in range(world):
+        monkeypatch.setattr(_shard.dist, "get_rank", lambda group=None, r=rank: r)
+        parts.append(_shard.Chunks(object(), flat.layout))
+    for b, n in enumerate(flat.layout.sizes):
+        c = -(-n // world)
+        spans = [ch.span(ch.rank, b) for ch in parts]
+        assert [hi - lo for lo, hi in spans] == [max(0, min(c, n - r * c)) for r in range(world)]
+        assert [ch.mine.sizes[b] for ch in parts] == [hi - lo for lo, hi in spans]
+    for k, t in named.items():
+        runs = [ch.piece(ch.rank, k) for ch in parts]
+        assert runs[0][0] == 0 and runs[-1][1] == t.numel()
+        assert all(a == e0 for (_, e0), (a, _) in itertools.pairwise(runs))
+        pieces = [ch.local(flat)[k] for ch in parts]
+        assert torch.equal(torch.cat(pieces), t.reshape(-1))
+        assert all(p.dim() == 1 for p in pieces)
+        # the same pieces from per-name tensors (a plain dict of the whole tensors)
+        assert all(torch.equal(ch.local(named)[k], p) for ch, p in zip(parts, pieces, strict=True))
+
+
+def test_which_split_fg_sharded_takes(one_rank):
+    """Flat chunks for fg.params and transformations that never read a shape; rows
+    for a plain dict, Adafactor (factored moments), Muon (matrices), and masks or
+    labels given as functions (which may decide from shapes)."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    groups = fg.group_by_module(m)
+    flat, plain = fg.params(m), {k: v.clone() for k, v in fg.params(m).items()}
+
+    def split(tx, params=flat):
+        return type(type(fg.sharded(tx).init(params)).layout.ranks).__name__
+
+    rule_chain = fg.chain(
+        fg.monitor(groups),
+        fg.per_group(fg.rules.zero_fix(), groups),
+        fg.clip_by_global_norm(1.0),
+        fg.skip_if_nonfinite(fg.adamw(mask={k: k.endswith("weight") for k in flat})),
+    )
+    for tx in (rule_chain, fg.accumulate(fg.sgd(lr=0.1), 2), fg.lion(), fg.rmsprop()):
+        assert split(tx) == "Chunks"
+    assert split(rule_chain, plain) == "Ranks"
+    shapes_read = (
+        fg.adamw(mask=lambda name, p: p.ndim > 1),
+        fg.adafactor(),
+        fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adafactor()),
+        fg.partition({"a": fg.adam(), "s": fg.sgd(lr=0.1)}, lambda p: dict.fromkeys(p, "a")),
+    )
+    for tx in shapes_read:
+        assert split(tx) == "Ranks"
