@@ -80,7 +80,8 @@ def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp
 
 def test_real_architectures_gpt_with_tied_weights_and_batchnorm_resnet(tmp_path):
     """2 ranks, eager, float64, 3 steps. The small GPT (tied embedding and head, masked
-    AdamW, per-block rule with atol, monitor) equals one process on the full batch; the
+    AdamW, per-block rule with atol, monitor) equals one process on the full batch, split
+    by rows (its mask a predicate) and in flat chunks (the same mask as a dict); the
     ResNet (train-mode BatchNorm, buffers=True) equals replicated data parallelism,
     params and each rank's own running statistics."""
     sw.run("architectures", tmp_path, 2)
@@ -88,8 +89,9 @@ def test_real_architectures_gpt_with_tied_weights_and_batchnorm_resnet(tmp_path)
     assert "tok.weight" in want and "head.weight" not in want  # tied: listed once
     for rank in (0, 1):
         got = load(tmp_path, "architectures", rank)
-        for k, v in want.items():
-            torch.testing.assert_close(got["gpt"][k], v, rtol=1e-12, atol=1e-12)
+        for split in ("gpt", "gpt_chunks"):  # by rows (a predicate mask), in flat chunks
+            for k, v in want.items():
+                torch.testing.assert_close(got[split][k], v, rtol=1e-12, atol=1e-12)
         res = got["resnet"]
         for part in ("params", "buffers"):
             for k, v in res["replicated"][part].items():

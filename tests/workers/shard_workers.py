@@ -149,25 +149,31 @@ def train(m, tx, step, rank, world, steps=range(STEPS), params=None, state=None,
 # and a ResNet with train-mode BatchNorm (buffers=True). Eager, float64, 3 steps.
 
 
-def small_gpt() -> tuple[nn.Module, fg.GradientTransformation]:
+def small_gpt(mask_as_dict: bool = False) -> tuple[nn.Module, fg.GradientTransformation]:
     """examples/char_gpt.py's model (float64, vocabulary 11) and its transformation:
-    per-block rule + monitor + AdamW(mask=decays)."""
+    per-block rule + monitor + AdamW(mask=decays). ``mask_as_dict``: the same mask as
+    a dict of names (fg.sharded then splits flat chunks; a predicate means rows)."""
     import char_gpt
 
     torch.manual_seed(0)
     m = char_gpt.CharGPT(vocab=11, block=8, dim=16, layers=2, heads=2, dropout=0.0).double()
     groups = fg.group_by_module(m, depth=2)
+    mask = char_gpt.decays
+    if mask_as_dict:
+        mask = {k: char_gpt.decays(k, p) for k, p in fg.params(m).items()}
     tx = fg.chain(
         fg.monitor(groups),
         fg.per_group(fg.rules.zero_fix(atol=1e-12), groups),
-        fg.adamw(lr=1e-2, weight_decay=0.1, mask=char_gpt.decays),
+        fg.adamw(lr=1e-2, weight_decay=0.1, mask=mask),
     )
     return m, tx
 
 
-def gpt_run(rank: int, world: int, sharded: bool = True) -> dict[str, torch.Tensor]:
+def gpt_run(
+    rank: int, world: int, sharded: bool = True, mask_as_dict: bool = False
+) -> dict[str, torch.Tensor]:
     """The small GPT, a few steps, each rank on its part of the batch."""
-    m, tx = small_gpt()
+    m, tx = small_gpt(mask_as_dict)
     tx = fg.sharded(tx) if sharded else tx
 
     def loss(p, idx, tgt):
@@ -177,6 +183,9 @@ def gpt_run(rank: int, world: int, sharded: bool = True) -> dict[str, torch.Tens
     step = fg.make_step(loss, tx, donate=True)
     params = fg.params(m)
     state = tx.init(params)
+    if sharded:
+        split = type(type(state).layout.ranks).__name__
+        assert split == ("Chunks" if mask_as_dict else "Ranks"), split
     g = torch.Generator().manual_seed(2)
     n = 6 // world
     for _ in range(3):
@@ -255,6 +264,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             _rule_base.is_shard_safe = lambda fn: True
         if mode == "architectures":
             result["gpt"] = gpt_run(rank, world)
+            result["gpt_chunks"] = gpt_run(rank, world, mask_as_dict=True)
             result["resnet"] = {
                 kind: resnet_run(rank, world, kind) for kind in ("sharded", "replicated")
             }
