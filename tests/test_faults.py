@@ -122,7 +122,12 @@ def test_an_interrupted_step_is_all_old_or_all_new(compiled, compiled_classifier
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     request.addfinalizer(lambda: sys.setswitchinterval(switch))
-    for i in range(200):
+    # 200 steps, then more (up to 1,000) until both outcomes were seen: "old" in the
+    # compiled step needs a signal inside its short Python prologue, and one CI run saw
+    # none in 200 (a miss of the test's own power check, not a torn step).
+    for i in range(1000):
+        if i >= 200 and outcomes["old"] and outcomes["new"]:
+            break
         old = snapshot((params, state))
         new = twin(params, state, x, y)[:2]  # the same step, not donated: writes nothing
         thread = None
