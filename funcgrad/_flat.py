@@ -1,8 +1,9 @@
 """One flat layout: parameters, gradients and optimizer state in a few contiguous buffers.
 
 :class:`Flat` is a read-only ``Mapping[str, Tensor]`` whose entries are views into
-one contiguous 1-D buffer per (device, dtype), in ``named_parameters()`` order, so
-each module's own parameters (a group of ``fg.group_by_module``) are one segment.
+one contiguous 1-D buffer per (device, dtype) (on the CPU, buffers of at most
+:data:`CPU_BUCKET_BYTES`), in ``named_parameters()`` order, so each module's own
+parameters (a group of ``fg.group_by_module``) are one segment.
 A user reads it as a dict (``params["fc1.weight"]``, ``state.mu["fc1.weight"]``,
 checkpoints keyed by name, as before); the code that runs every step sees a few
 buffers instead of one tensor per parameter:
@@ -41,6 +42,26 @@ from torch import Tensor, nn
 
 from ._scratch import BIG, borrowing
 from ._tree import BUFFERS, NAMESPACE
+
+CPU_BUCKET_BYTES = 16 * 2**20
+"""The most bytes of one CPU buffer (a tensor larger than that gets one of its own).
+
+glibc serves an allocation of more than its ``mmap`` threshold (raised as large
+blocks are freed, up to 32 MiB) with a fresh ``mmap`` whose every page faults on
+first write, each time. A buffer's temporaries under ``torch.compile`` (the flat
+gradient, ``cat`` of the per-tensor gradients) are allocated every step: one 134 MB
+buffer made an update-heavy step (8 x 2048 x 2048) 2.3x fused ``torch.optim.Adam``
+where one tensor per parameter ran it in 0.68x (benchmarks/README.md). Buffers of at
+most 16 MiB are reused from the heap; a tensor larger than that is its own buffer, so
+its gradient is never copied. CUDA's caching allocator reuses memory: one buffer per
+(device, dtype) there."""
+
+
+
+def _unit_key(item: tuple[str, Tensor]) -> tuple[Any, ...]:
+    """Names with one key in a row are one module's own parameters of one kind."""
+    name, t = item
+    return (name.rpartition(".")[0], t.device, t.dtype)
 
 
 class Layout:
@@ -84,18 +105,40 @@ class Layout:
 
     @classmethod
     def for_tensors(cls, named: Mapping[str, Tensor]) -> Layout:
-        """One buffer per (device, dtype), in the order of first appearance; each
-        buffer's entries in the mapping's order, packed without gaps."""
-        kinds: dict[tuple[torch.device, torch.dtype], int] = {}
-        fill: list[int] = []
-        entries = []
-        for t in named.values():
-            b = kinds.setdefault((t.device, t.dtype), len(kinds))
-            if b == len(fill):
-                fill.append(0)
-            entries.append((b, fill[b], tuple(t.shape)))
-            fill[b] += t.numel()
-        return cls.of(list(named), entries)
+        """Buffers per (device, dtype), in the order of first appearance; each
+        buffer's entries in the mapping's order, packed without gaps.
+
+        On a CUDA device (or any but the CPU) one buffer per (device, dtype). On the
+        CPU a buffer holds at most :data:`CPU_BUCKET_BYTES` (a tensor larger than
+        that alone), and a module's own parameters (names sharing the prefix before
+        the last dot) stay in one buffer where they fit: see :data:`CPU_BUCKET_BYTES`
+        for why."""
+        kinds: dict[tuple[torch.device, torch.dtype], int] = {}  # kind -> open buffer
+        fill: list[int] = []  # bytes per buffer
+        entries: list[tuple[int, int, tuple[int, ...]]] = []
+        items = list(named.items())
+        i = 0
+        while i < len(items):
+            t = items[i][1]
+            kind = (t.device, t.dtype)
+            j = i + 1  # items[i:j]: one module's own parameters of this kind, in a row
+            while j < len(items) and _unit_key(items[j]) == _unit_key(items[i]):
+                j += 1
+            cap = CPU_BUCKET_BYTES if t.device.type == "cpu" else None
+            size = t.element_size()
+            unit = sum(u.numel() for _, u in items[i:j]) * size
+            parts = [items[i:j]] if cap is None or unit <= cap else [[x] for x in items[i:j]]
+            for part in parts:
+                nbytes = sum(u.numel() for _, u in part) * size
+                b = kinds.get(kind)
+                if b is None or (cap is not None and fill[b] > 0 and fill[b] + nbytes > cap):
+                    b = kinds[kind] = len(fill)
+                    fill.append(0)
+                for _, u in part:
+                    entries.append((b, fill[b] // size, tuple(u.shape)))
+                    fill[b] += u.numel() * size
+            i = j
+        return cls.of([n for n, _ in items], entries)
 
     def names_in(self, b: int) -> tuple[str, ...]:
         """The names in buffer ``b``, in order."""
@@ -124,7 +167,8 @@ class Layout:
 
 
 class Flat(Mapping[str, Tensor]):
-    """A read-only mapping ``name -> view`` over one flat buffer per (device, dtype).
+    """A read-only mapping ``name -> view`` over flat buffers (one per (device, dtype);
+    on the CPU, at most :data:`CPU_BUCKET_BYTES` each).
 
     Examples:
         >>> import torch, funcgrad as fg

@@ -31,7 +31,8 @@ def params(model: nn.Module) -> Params:
     two modules (tied weights) appears once, under its first name.
 
     The parameters move into one flat buffer per (device, dtype) (a
-    :class:`funcgrad.Flat`; the module's parameters become views of it, so
+    :class:`funcgrad.Flat`; on the CPU, buffers of at most 16 MiB: a step's flat
+    temporaries stay off fresh ``mmap`` pages; the module's parameters become views of it, so
     ``model.load_state_dict(...)`` still writes what the next step trains), and
     optimizer states built from it are flat too: a compiled step then has a few
     buffers to update instead of one tensor per parameter (docs/flat-layout.md).

@@ -162,8 +162,9 @@ class _Core:
     def __init__(self, tx: GradientTransformation, named: list[tuple[str, nn.Parameter]]) -> None:
         self.tx = tx
         self.names = [n for n, _ in named]
-        # The state in the flat layout where the parameters allow it (one buffer per
-        # dtype: the elementwise optimizers then run over whole buffers). The module is
+        # The state in the flat layout where the parameters allow it (a few buffers per
+        # dtype, _flat.Layout.for_tensors: the elementwise optimizers then run over whole
+        # buffers). The module is
         # left alone: each step reads the parameters themselves (the optimizer packs
         # them), because under torch.compile(opt.step) an in-place write to a tensor
         # that aliases a graph input is lost (torch 2.13, aot_autograd).

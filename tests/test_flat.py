@@ -211,6 +211,75 @@ def test_mixed_dtypes_one_buffer_each() -> None:
     assert_trees_close(sa.inner_states[2], sb.inner_states[2])
 
 
+def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
+    """On the CPU a buffer holds at most ``CPU_BUCKET_BYTES``: a module's own
+    parameters stay together where they fit, a larger tensor is a buffer of its own
+    (its gradient is then never copied into a flat one), other devices keep one."""
+    import funcgrad._flat as flat_mod
+    from funcgrad._flat import Layout
+
+    def lay(**shapes: tuple[int, ...]) -> list[list[str]]:
+        named = {k.replace("_", "."): torch.zeros(s, dtype=torch.float64) for k, s in shapes.items()}
+        layout = Layout.for_tensors(named)
+        for b, names in enumerate(layout.members):  # each buffer packed without gaps
+            at = 0
+            for n in names:
+                _, off, shape = layout.entries[layout.index[n]]
+                assert off == at and shape == tuple(named[n].shape)
+                at += named[n].numel()
+            assert layout.sizes[b] == at
+        return [list(m) for m in layout.members]
+
+    monkeypatch.setattr(flat_mod, "CPU_BUCKET_BYTES", 100 * 8)  # 100 float64 entries
+    # 60 + 30 fit; 40 more would not: the next module starts a buffer
+    assert lay(a_w=(6, 10), a_b=(30,), b_w=(40,), c_w=(50,)) == [
+        ["a.w", "a.b"],
+        ["b.w", "c.w"],
+    ]
+    # a module over the cap is split per tensor, its large tensor alone
+    assert lay(a_w=(5,), b_w=(20, 10), b_b=(20,), c_w=(3,)) == [
+        ["a.w"],
+        ["b.w"],
+        ["b.b", "c.w"],
+    ]
+    # exactly the cap fits; two dtypes never share a buffer
+    named = {"a.w": torch.zeros(100, dtype=torch.float64), "b.w": torch.zeros(3)}
+    assert [list(m) for m in Layout.for_tensors(named).members] == [["a.w"], ["b.w"]]
+    meta = {f"{i}.w": torch.zeros(100, device="meta") for i in range(4)}
+    assert len(Layout.for_tensors(meta).sizes) == 1  # not the CPU: no cap
+    # the real cap: the update-heavy model's 16 MiB matrices are one buffer each
+    monkeypatch.undo()
+    big = {f"{i}.w": torch.empty(2048, 2048) for i in range(3)}
+    assert len(Layout.for_tensors(big).sizes) == 3
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}, True])
+def test_capped_buffers_equal_the_per_tensor_layout(compile, monkeypatch) -> None:
+    """Several buffers of one dtype, one module split across two (its group is ruled
+    per tensor there, the others per segment): the same training as per tensor."""
+    import funcgrad._flat as flat_mod
+
+    monkeypatch.setattr(flat_mod, "CPU_BUCKET_BYTES", 40 * 8)  # modules of 30, 42, 42, 21
+    torch._dynamo.reset()
+    a, b = stack(2), stack(2)
+    pa = fg.params(a)
+    assert pa.layout.members == (
+        ("0.weight", "0.bias"),
+        ("2.weight",),
+        ("2.bias",),
+        ("4.weight",),
+        ("4.bias", "6.weight", "6.bias"),
+    )
+    pa, sa = train(a, pa, seed_tx(a, amsgrad=True), compile=compile)
+    pb, sb = train(b, per_tensor(b), seed_tx(b, amsgrad=True), compile=compile)
+    rtol = 1e-12 if compile is not True else 1e-5
+    assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[2], sb.inner_states[2], rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[0], sb.inner_states[0], rtol=rtol, atol=1e-12)
+    for k, t in a.named_parameters():
+        assert torch.equal(t.detach(), pa[k])
+
+
 def test_low_precision_flat_equals_per_tensor() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         a, b = mlp(dtype), mlp(dtype)
