@@ -57,7 +57,6 @@ its gradient is never copied. CUDA's caching allocator reuses memory: one buffer
 (device, dtype) there."""
 
 
-
 def _unit_key(item: tuple[str, Tensor]) -> tuple[Any, ...]:
     """Names with one key in a row are one module's own parameters of one kind."""
     name, t = item

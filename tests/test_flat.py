@@ -219,7 +219,9 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
     from funcgrad._flat import Layout
 
     def lay(**shapes: tuple[int, ...]) -> list[list[str]]:
-        named = {k.replace("_", "."): torch.zeros(s, dtype=torch.float64) for k, s in shapes.items()}
+        named = {
+            k.replace("_", "."): torch.zeros(s, dtype=torch.float64) for k, s in shapes.items()
+        }
         layout = Layout.for_tensors(named)
         for b, names in enumerate(layout.members):  # each buffer packed without gaps
             at = 0
