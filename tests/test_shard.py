@@ -42,7 +42,8 @@ def test_setup_has_a_parameter_shard_that_is_all_zero_while_its_layer_is_not():
 
 
 # fg.params gives flat buffers: fg.sharded splits them in equal chunks (ZeRO); a
-# "+rows" mode trains a plain dict of the same parameters, split by rows.
+# "+rows" mode trains a plain dict of the same parameters, split by rows; "+capped"
+# caps the CPU buffers so that one dtype has four.
 @pytest.mark.parametrize(
     ("mode", "world"),
     [
@@ -54,6 +55,7 @@ def test_setup_has_a_parameter_shard_that_is_all_zero_while_its_layer_is_not():
         ("gradients", 2),
         ("eager+rows", 3),
         ("compiled+rows", 2),
+        ("eager+capped", 3),
     ],
 )
 def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp_path):
@@ -63,6 +65,13 @@ def test_n_ranks_equal_one_process_on_the_full_batch(mode, world, reference, tmp
     for rank in range(world):
         got = load(tmp_path, mode, rank)
         assert got["split"] == ("Ranks" if mode.endswith(sw.ROWS) else "Chunks")
+        if mode.endswith(sw.CAPPED):  # four buffers of one dtype, chunked each
+            assert got["buffers"] == [
+                ["temperature"],
+                ["fc1.weight", "fc1.bias"],
+                ["fc2.weight"],
+                ["fc2.bias", "fc3.weight", "fc3.bias"],
+            ]
         for k in params:
             torch.testing.assert_close(got["params"][k], params[k], rtol=1e-12, atol=1e-12)
         for name in ("before", "after"):  # monitor before and after the rules
@@ -329,10 +338,14 @@ def test_a_state_keeps_its_layout_when_the_transformation_is_initialized_again(o
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("capped", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, monkeypatch):
+def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, capped, monkeypatch):
     """ZeRO's split: each buffer in ceil(n / N) entries per rank (the last ones shorter
-    or empty); each parameter's pieces, rank after rank, are its entries in order."""
+    or empty); each parameter's pieces, rank after rank, are its entries in order.
+    ``capped``: CPU buffers of at most 64 bytes, so one dtype has several buffers."""
+    if capped:
+        monkeypatch.setattr(fg._flat, "CPU_BUCKET_BYTES", 64)
     D = torch.float64
     named = {
         "t": torch.tensor(2.0, dtype=D),  # 0-d
@@ -342,6 +355,8 @@ def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, monkeypatch):
         "b": torch.arange(7, dtype=D),
     }
     flat = fg._flat.pack(named, fg._flat.Layout.for_tensors(named))
+    want = [["t", "w", "e", "b"], ["h"]] if not capped else [["t"], ["w"], ["h"], ["e", "b"]]
+    assert [list(m) for m in flat.layout.members] == want
     monkeypatch.setattr(_shard.dist, "get_world_size", lambda group=None: world)
     parts = []
     for rank in range(world):

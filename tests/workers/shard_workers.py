@@ -130,6 +130,11 @@ ROWS = "+rows"
 them by rows instead of in flat chunks."""
 
 
+CAPPED = "+capped"
+"""A mode ending in this caps the CPU buffers at 12 float64 entries: fg.params(model())
+is then four buffers of one dtype, fc2 split across two of them (ruled per tensor)."""
+
+
 def params_for(m: nn.Module, mode: str = ""):
     return dict(fg.params(m)) if mode.endswith(ROWS) else fg.params(m)
 
@@ -255,6 +260,9 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             m = model()
             fg.sharded(make_tx(m, amsgrad=rank == 2)).init(fg.params(m))
         layout, mode = mode, mode.removesuffix(ROWS)  # layout: the mode as given
+        if mode.endswith(CAPPED):
+            fg._flat.CPU_BUCKET_BYTES = 12 * 8
+            mode = mode.removesuffix(CAPPED)
         if mode == "per_shard":  # statistics NOT combined: each rank decides on its part
             _shard._Group.any = lambda self, flag: flag  # type: ignore[method-assign]
             _shard._Group.batched = lambda self, fn: fn()  # type: ignore[method-assign]
@@ -333,6 +341,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             params, state = train(m, tx, step, rank, world, mode=layout)
         result.update(
             split=type(type(state).layout.ranks).__name__,
+            buffers=[list(m) for m in params.layout.members] if hasattr(params, "layout") else None,
             params={k: v.clone() for k, v in params.items()},
             monitor={
                 name: {g: dict(s) for g, s in state.inner[name].stats.items()}
