@@ -14,8 +14,15 @@ Variants, on ``study_flat_state.py``'s models (``--layers 0`` is the MLP
 - ``adam``: ``make_step(loss, fg.adam(), compile=True, donate=True)`` on ``fg.params``
 - ``step``: the same with the seed rule per layer before Adam
 - ``step-dict``: ``step`` on a params dict built by hand (the per-tensor layout)
+- ``step-p1``: ``step`` with ``funcgrad._transforms.MAX_PERIOD = 1``: only runs of
+  adjacent equal groups ruled together, not blocks of several groups that repeat
+
+``--model gpt``: examples/char_gpt.py's transformer instead (``--layers N``: N blocks,
+dim 64, 4 heads, 64 tokens x 8, tied embeddings), grouped per module (each block's
+``ln1``, ``qkv``, ``proj``, ``ln2``, ``mlp.0``, ``mlp.2``: six groups that repeat).
 
 Run: python benchmarks/bench_compile_cpu.py [--layers 0 10 40] [--rounds 2]
+     python benchmarks/bench_compile_cpu.py --model gpt --layers 8 --variants grad step step-p1
 """
 
 from __future__ import annotations
@@ -28,12 +35,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import torch
 from bench_step import cold_caches
 
-VARIANTS = ("grad", "adam", "step", "step-dict")
+VARIANTS = ("grad", "adam", "step", "step-dict", "step-p1")
 
 
 def cpu_seconds() -> float:
@@ -42,11 +52,47 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def child(layers: int, variant: str) -> dict[str, float]:
+def gpt_call(layers: int, variant: str) -> Callable[[], object]:
+    """One step of ``variant`` on examples/char_gpt.py's model, not yet called."""
+    from char_gpt import CharGPT
+    from torch import nn
+    from torch.func import grad_and_value
+
+    import funcgrad as fg
+
+    vocab, block = 64, 64
+    torch.manual_seed(0)
+    m = CharGPT(vocab, block, 64, layers, 4, dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (8, block), generator=g)
+    y = torch.randint(0, vocab, (8, block), generator=g)
+
+    def loss(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(fg.call(m, p, x).reshape(-1, vocab), y.reshape(-1))
+
+    if variant == "grad":
+        f = torch.compile(grad_and_value(loss), fullgraph=True)
+        plain = dict(fg.params(m))
+        return lambda: f(plain, x, y)
+    tx = fg.adamw(lr=1e-3)
+    if variant != "adam":
+        tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), tx)
+    params = fg.params(m) if variant != "step-dict" else dict(fg.params(m))
+    state = tx.init(params)
+    step = fg.make_step(loss, tx, compile=True, donate=True)
+    return lambda: step(params, state, x, y)
+
+
+def child(layers: int, variant: str, model: str) -> dict[str, float]:
     """The first call's CPU and wall seconds, in this (fresh) process."""
     from study_flat_state import make_call
 
-    call = make_call(layers, variant)
+    if variant == "step-p1":
+        import funcgrad._transforms
+
+        funcgrad._transforms.MAX_PERIOD = 1
+    base = "step" if variant == "step-p1" else variant
+    call = make_call(layers, base) if model == "mlp" else gpt_call(layers, base)
     c, t = cpu_seconds(), time.perf_counter()
     call()
     return {"cpu_s": cpu_seconds() - c, "wall_s": time.perf_counter() - t}
@@ -58,10 +104,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; min kept")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(int(args.child[0]), args.child[1])))
+        print(json.dumps(child(int(args.child[0]), args.child[1], args.child[2])))
         return
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     for layers in args.layers:
@@ -72,11 +119,13 @@ def main() -> None:
                     one_thread = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
                     env = {**os.environ, **cold_caches(cache), **one_thread}
                     out = subprocess.run(
-                        [sys.executable, __file__, "--child", str(layers), variant],
+                        [sys.executable, __file__, "--child", str(layers), variant, args.model],
                         env=env, capture_output=True, text=True, check=True,
                     )  # fmt: skip
                     runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
         name = "MLP 256-512-512-512-10" if layers == 0 else f"{layers} x Linear(64, 64)"
+        if args.model == "gpt":
+            name = f"char_gpt.py's transformer, {layers} blocks, grouped per module"
         base = min(r["cpu_s"] for r in runs[args.variants[0]])
         print(f"\n{name}: first call, CPU seconds per round (ratio of the minima to "
               f"{args.variants[0]!r})")  # fmt: skip

@@ -386,15 +386,13 @@ def _unflatten_names(layout: Layout, children: Sequence[Any]) -> Any:
 
 
 def _fits(child: Any, shape: tuple[int, ...]) -> bool:
-    """Whether ``child`` can be an entry of ``shape`` in a buffer: a plain tensor of it."""
-    if not isinstance(child, Tensor) or tuple(child.shape) != shape:
-        return False
-    dist = torch.distributed
-    if dist.is_available():
-        from torch.distributed.tensor import DTensor
-
-        return not isinstance(child, DTensor)
-    return True
+    """Whether ``child`` can be an entry of ``shape`` in a buffer: a tensor of it, not
+    a ``DTensor`` (which has ``placements``; a checkpoint view's rows of a whole)."""
+    return (
+        isinstance(child, Tensor)
+        and tuple(child.shape) == shape
+        and not hasattr(child, "placements")
+    )
 
 
 for _namespace in (NAMESPACE, getattr(optree.registry, "__GLOBAL_NAMESPACE", None)):

@@ -20,9 +20,10 @@ shard_safe=True)``. Any other callable is applied by ``fg.per_group`` to the who
 group, gathered from all ranks (correct, at the price of that group's all-gather).
 
 funcgrad's own rules also reduce a tensor only through :func:`any_` and :func:`all_`.
-That lets ``fg.per_group`` rule a run of adjacent equal-size groups of flat gradients
-in one call (:func:`rows`): each tensor is then ``(k, size)``, one row per group, and
-every statistic is taken per row, shape ``(k, 1)``.
+That lets ``fg.per_group`` rule ``k`` equal-size groups of flat gradients that repeat
+(adjacent, or one column of blocks that repeat with a period) in one call
+(:func:`rows`): each tensor is then ``(k, size)`` (possibly strided), one row per
+group, and every statistic is taken per row, shape ``(k, 1)``.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class _Rows(threading.local):
 
 _ROWS = _Rows()
 """Whether the group being ruled is ``k`` equal groups stacked as rows (``fg.per_group``
-on flat gradients, funcgrad/_transforms.py: one rule call for a run of equal-size
-groups); every statistic is then taken per row, shape ``(k, 1)``."""
+on flat gradients, funcgrad/_transforms.py: one rule call for equal-size groups that
+repeat); every statistic is then taken per row, shape ``(k, 1)``."""
 
 
 @contextlib.contextmanager

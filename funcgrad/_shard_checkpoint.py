@@ -18,9 +18,10 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ._base import State
-from ._shard import Chunks, Layout, Rows, ShardedState
+from ._shard import Chunks, Layout, Ranks, Rows, ShardedState
 from ._tree import flatten
 
 
@@ -44,35 +45,41 @@ def checkpoint_view(state: ShardedState) -> State:
     if len(leaves) != len(layout.whole):
         raise ValueError("fg.state_dict: the ShardedState does not match its layout.")
     mesh = DeviceMesh.from_group(ranks.pg, layout.device.type)
+    saved = _saved_chunks if isinstance(ranks, Chunks) else _saved_rows
     out: list[Any] = []
     for leaf, whole, name in zip(leaves, layout.whole, layout.names, strict=True):
-        if whole is not None and isinstance(ranks, Chunks):
-            # a piece of a flat chunk: the whole tensor, then this rank's rows of it, so
-            # the checkpoint is the same as with rows (and loads into either layout)
-            leaf = ranks.gather_names({str(name): leaf})[str(name)]
-            leaf = leaf if len(whole) == 0 else Rows(whole, ranks.rank, ranks.world).local(leaf)
-            leaf = leaf.clone()
         if whole is None:
             out.append(leaf)
-        elif len(whole) == 0 and isinstance(ranks, Chunks):
-            out.append(leaf)
-        elif len(whole) == 0:  # a 0-d parameter's: rank 0 holds its one row
-            value = leaf.reshape(()).clone() if ranks.rank == 0 else leaf.new_empty(())
-            dist.broadcast(value, group_src=0, group=ranks.group)
-            out.append(value)
-        else:
-            stride = torch.empty(whole, device="meta").stride()
-            out.append(
-                DTensor.from_local(
-                    leaf.contiguous(),
-                    mesh,
-                    [Shard(0)],
-                    run_check=False,
-                    shape=torch.Size(whole),
-                    stride=stride,
-                )
+            continue
+        mine = saved(ranks, leaf, whole, name)  # type: ignore[arg-type]
+        if len(whole) == 0:  # a 0-d parameter's: the value itself, on every rank
+            out.append(mine)
+            continue
+        stride = torch.empty(whole, device="meta").stride()
+        out.append(
+            DTensor.from_local(
+                mine, mesh, [Shard(0)], run_check=False, shape=torch.Size(whole), stride=stride
             )
+        )
     return optree.tree_unflatten(spec, out)
+
+
+def _saved_rows(ranks: Ranks, leaf: Tensor, whole: tuple[int, ...], name: str | None) -> Tensor:
+    """What this rank saves of a leaf split by rows: its rows; a 0-d parameter's (whose
+    one row rank 0 holds) the value, broadcast. Collective for 0-d ones."""
+    if len(whole) == 0:
+        value = leaf.reshape(()).clone() if ranks.rank == 0 else leaf.new_empty(())
+        dist.broadcast(value, group_src=0, group=ranks.group)
+        return value
+    return leaf.contiguous()
+
+
+def _saved_chunks(ranks: Chunks, leaf: Tensor, whole: tuple[int, ...], name: str | None) -> Tensor:
+    """What this rank saves of a piece of a flat chunk: the whole tensor gathered, then
+    this rank's rows of it, so the checkpoint is the same as by rows (and loads into
+    either split). Collective."""
+    value = ranks.gather_names({str(name): leaf})[str(name)]
+    return (value if len(whole) == 0 else Rows(whole, ranks.rank, ranks.world).local(value)).clone()
 
 
 def whole_template(state: ShardedState) -> tuple[State, Callable[[State], ShardedState]]:

@@ -118,42 +118,89 @@ def _on_segments(
 ) -> Flat:
     """``rule`` on every group as one segment of its buffer; the rest passes through.
 
-    A run of adjacent groups of one size (the blocks of a deep stack of equal layers)
-    is ruled in one call, as the rows of a ``(k, size)`` view with every statistic
-    taken per row (:func:`funcgrad._rule_base.rows`): the same values, and one
-    reduction and one elementwise op for the run instead of one per group, which is
-    what a compiled step's code (and its compile time) otherwise grows by per layer.
+    Groups that repeat with a period (the blocks of a deep stack of equal layers, or
+    of a transformer grouped per module: every block's ``qkv`` one size, one period
+    apart) are ruled together: the region is a ``(k, period)`` view, each of the
+    block's groups a column of it ruled once as ``k`` rows, every statistic taken per
+    row (:func:`funcgrad._rule_base.rows`). The same values, and one reduction and one
+    elementwise op per column instead of one per group, which is what a compiled
+    step's code (and its compile time) otherwise grows by per layer.
     """
     out = []
     for b, buf in enumerate(grads.buffers):
         pieces, at = [], 0
-        for start, stop, k in _runs([(s, e) for i, s, e in segments if i == b]):
+        spans = [(s, e) for i, s, e in segments if i == b]
+        for start, period, k, cols in _blocks(spans, buf.shape[-1]):
             if start > at:
                 pieces.append(buf[at:start])
             if k == 1:
-                pieces.append(apply_rule(rule, {"segment": buf[start:stop]})["segment"])
+                seg = buf[start : start + period]
+                pieces.append(apply_rule(rule, {"segment": seg})["segment"])
             else:
-                with _rb.rows():
-                    block = apply_rule(rule, {"segment": buf[start:stop].view(k, -1)})
-                pieces.append(block["segment"].reshape(-1))
-            at = stop
+                region = buf[start : start + k * period].view(k, period)
+                done = []
+                for a, e, ruled in cols:
+                    if not ruled:
+                        done.append(region[:, a:e])
+                        continue
+                    with _rb.rows():
+                        done.append(apply_rule(rule, {"segment": region[:, a:e]})["segment"])
+                block = done[0] if len(done) == 1 else torch.cat(done, dim=1)
+                pieces.append(block.reshape(-1))
+            at = start + k * period
         if at < buf.numel():
             pieces.append(buf[at:])
         out.append(cat(pieces))
     return Flat(out, grads.layout)
 
 
-def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """``spans`` (in order) merged into ``(start, stop, k)``: ``k`` adjacent spans of
-    one length each."""
-    out: list[tuple[int, int, int]] = []
-    for start, stop in spans:
-        if out:
-            s0, e0, k = out[-1]
-            if e0 == start and (e0 - s0) == k * (stop - start):
-                out[-1] = (s0, stop, k + 1)
+MAX_PERIOD = 16
+"""The most groups per block :func:`_blocks` looks for (a transformer block: 6-8)."""
+
+Block = tuple[int, int, int, tuple[tuple[int, int, bool], ...]]
+"""``(start, period, k, columns)``: ``k`` blocks of ``period`` entries from ``start``;
+``columns``: ``(a, e, ruled)`` offsets within a block, a group's or a gap's."""
+
+
+def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
+    """``spans`` (groups in order, disjoint; ``end``: the buffer's size) as blocks that
+    repeat: at each span, the period (in groups, up to :data:`MAX_PERIOD`) whose
+    repetitions cover the most groups, at least two repetitions; else the span alone.
+    A block's region is ``k * period`` entries and ends before the next group."""
+    out: list[Block] = []
+    i, n = 0, len(spans)
+    while i < n:
+        s0 = spans[i][0]
+        best_p, best_k, best_b = 1, 1, spans[i][1] - s0
+        for p in range(1, min(MAX_PERIOD, (n - i) // 2) + 1):
+            period = spans[i + p][0] - s0
+            if spans[i + p - 1][1] - s0 > period:
                 continue
-        out.append((start, stop, 1))
+            rel = [(s - s0, e - s0) for s, e in spans[i : i + p]]
+            k = 1
+            while i + (k + 1) * p <= n and all(
+                spans[i + k * p + j] == (s0 + k * period + a, s0 + k * period + e)
+                for j, (a, e) in enumerate(rel)
+            ):
+                k += 1
+            nxt = spans[i + k * p][0] if i + k * p < n else end
+            if k > 1 and s0 + k * period > nxt:
+                k -= 1  # the last block's tail would reach the next group: leave it out
+            if k > 1 and p * k > best_p * best_k:
+                best_p, best_k, best_b = p, k, period
+                if i + p * k == n:
+                    break  # every remaining group is covered
+        cols: list[tuple[int, int, bool]] = []
+        at = 0
+        for s, e in spans[i : i + best_p] if best_k > 1 else spans[i : i + 1]:
+            if s - s0 > at:
+                cols.append((at, s - s0, False))
+            cols.append((s - s0, e - s0, True))
+            at = e - s0
+        if at < best_b:
+            cols.append((at, best_b, False))
+        out.append((s0, best_b, best_k, tuple(cols)))
+        i += best_p * best_k if best_k > 1 else 1
     return out
 
 

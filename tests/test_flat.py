@@ -114,23 +114,72 @@ STACK_RULES = {
 }
 
 
-def test_runs_of_equal_groups() -> None:
-    from funcgrad._transforms import _runs
+def test_blocks_of_groups_that_repeat() -> None:
+    from funcgrad._transforms import _blocks
 
+    # adjacent groups of one size; then a run of two; then single groups
     spans = [(0, 4), (4, 8), (8, 12), (12, 14), (14, 16), (20, 24), (24, 30)]
-    assert _runs(spans) == [(0, 12, 3), (12, 16, 2), (20, 24, 1), (24, 30, 1)]
-    assert _runs([]) == []
+    assert _blocks(spans, 30) == [
+        (0, 4, 3, ((0, 4, True),)),
+        (12, 2, 2, ((0, 2, True),)),
+        (20, 4, 1, ((0, 4, True),)),
+        (24, 6, 1, ((0, 6, True),)),
+    ]
+    # blocks of three groups (2, 6, 3 entries; a transformer's modules), then a head
+    spans = [(11 * r + a, 11 * r + e) for r in range(3) for a, e in ((0, 2), (2, 8), (8, 11))]
+    assert _blocks([*spans, (33, 38)], 38) == [
+        (0, 11, 3, ((0, 2, True), (2, 8, True), (8, 11, True))),
+        (33, 5, 1, ((0, 5, True),)),
+    ]
+    # evenly spaced with a gap between (an entry in no group); the last block's gap
+    # would pass the buffer's end: that block is left out
+    spaced = [(6 * r, 6 * r + 4) for r in range(4)]
+    assert _blocks(spaced, 24) == [(0, 6, 4, ((0, 4, True), (4, 6, False)))]
+    assert _blocks(spaced, 22) == [
+        (0, 6, 3, ((0, 4, True), (4, 6, False))),
+        (18, 4, 1, ((0, 4, True),)),
+    ]
+    # nothing repeats: each group alone; no groups: nothing
+    assert [k for _, _, k, _ in _blocks([(0, 3), (3, 5), (5, 9)], 9)] == [1, 1, 1]
+    assert _blocks([], 0) == []
 
 
-ROWS_CASES = [(n, c) for n in STACK_RULES for c in (False, {"backend": "aot_eager"})] + [
-    ("zero_fix", True),  # inductor for two rules only: each compile takes seconds
-    ("norm_clip", True),
+class Block(nn.Module):
+    """Four modules of different sizes: grouped per module, the blocks of a stack
+    repeat with a period of four groups (a transformer's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.up = nn.Linear(6, 4)
+        self.down = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.fc(x))
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+def blocks(n: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), *[Block() for _ in range(n)], nn.Linear(6, 3)).double()
+
+
+AOT = {"backend": "aot_eager"}
+ROWS_CASES = [
+    *[(n, c, "stack") for n in STACK_RULES for c in (False, AOT)],
+    *[(n, False, "blocks") for n in STACK_RULES],
+    ("zero_fix", AOT, "blocks"),  # traced cases of blocks take ~20 s each: two rules
+    ("any_zero_or_nonfinite", AOT, "blocks"),
+    ("zero_fix", True, "stack"),  # inductor for two rules only: each compile takes seconds
+    ("norm_clip", True, "blocks"),
 ]
 
 
-@pytest.mark.parametrize(("name", "compile"), ROWS_CASES)
-def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, monkeypatch):
-    """A run of equal groups is ruled once, as the rows of a (k, size) view: every
+@pytest.mark.parametrize(("name", "compile", "arch"), ROWS_CASES)
+def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, arch, monkeypatch):
+    """Groups that repeat (a stack of equal layers; blocks of four different modules)
+    are ruled once per column of the blocks, as the rows of a (k, period) view: every
     statistic per row, the same result as each group alone (the per-tensor layout)."""
     import funcgrad._rule_base as rb
 
@@ -147,9 +196,14 @@ def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, m
         return fg.chain(fg.per_group(STACK_RULES[name], fg.group_by_module(m)), fg.adam(1e-2))
 
     torch._dynamo.reset()  # each parametrization compiles new steps of the same code
-    a, b = stack(), stack()
+    build = stack if arch == "stack" else blocks
+    a, b = build(), build()
     with torch.no_grad():  # a dead layer inside the run: the all-zero branches fire
-        a[4].weight.zero_(), b[4].weight.zero_()
+        for m in (a, b):
+            if arch == "stack":
+                m[4].weight.zero_()
+            else:  # relu(up(x)) = 0: up's gradients are all zero, down.weight's too
+                m[2].up.weight.zero_(), m[2].up.bias.fill_(-100.0)
     pa, sa = train(a, fg.params(a), tx(a), compile=compile)
     assert rows_seen, "the run of equal layers was not ruled as rows"
     pb, sb = train(b, per_tensor(b), tx(b), compile=compile)
