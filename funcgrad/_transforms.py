@@ -172,7 +172,10 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
     while i < n:
         s0 = spans[i][0]
         best_p, best_k, best_b = 1, 1, spans[i][1] - s0
+        size0 = spans[i][1] - s0
         for p in range(1, min(MAX_PERIOD, (n - i) // 2) + 1):
+            if spans[i + p][1] - spans[i + p][0] != size0:
+                continue  # a next block would not start with a group of this size
             period = spans[i + p][0] - s0
             if spans[i + p - 1][1] - s0 > period:
                 continue
