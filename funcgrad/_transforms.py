@@ -171,8 +171,8 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
     i, n = 0, len(spans)
     while i < n:
         s0 = spans[i][0]
-        best_p, best_k, best_b = 1, 1, spans[i][1] - s0
         size0 = spans[i][1] - s0
+        best_p, best_k, best_b = 1, 1, size0  # the span alone
         for p in range(1, min(MAX_PERIOD, (n - i) // 2) + 1):
             if spans[i + p][1] - spans[i + p][0] != size0:
                 continue  # a next block would not start with a group of this size
@@ -195,7 +195,7 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
                     break  # every remaining group is covered
         cols: list[tuple[int, int, bool]] = []
         at = 0
-        for s, e in spans[i : i + best_p] if best_k > 1 else spans[i : i + 1]:
+        for s, e in spans[i : i + best_p]:
             if s - s0 > at:
                 cols.append((at, s - s0, False))
             cols.append((s - s0, e - s0, True))
@@ -203,7 +203,7 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
         if at < best_b:
             cols.append((at, best_b, False))
         out.append((s0, best_b, best_k, tuple(cols)))
-        i += best_p * best_k if best_k > 1 else 1
+        i += best_p * best_k
     return out
 
 
