@@ -39,7 +39,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import torch
 from bench_step import cold_caches
 
@@ -54,21 +53,15 @@ def cpu_seconds() -> float:
 
 def gpt_call(layers: int, variant: str) -> Callable[[], object]:
     """One step of ``variant`` on examples/char_gpt.py's model, not yet called."""
-    from char_gpt import CharGPT
-    from torch import nn
+    from bench_step import gpt_ce, gpt_problem
     from torch.func import grad_and_value
 
     import funcgrad as fg
 
-    vocab, block = 64, 64
-    torch.manual_seed(0)
-    m = CharGPT(vocab, block, 64, layers, 4, dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (8, block), generator=g)
-    y = torch.randint(0, vocab, (8, block), generator=g)
+    m, x, y = gpt_problem(64, layers, batch=8)
 
     def loss(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(fg.call(m, p, x).reshape(-1, vocab), y.reshape(-1))
+        return gpt_ce(fg.call(m, p, x), y)
 
     if variant == "grad":
         f = torch.compile(grad_and_value(loss), fullgraph=True)

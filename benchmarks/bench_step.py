@@ -247,23 +247,35 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
 GPT_VARIANTS = ("fg-comp", "fg-grads", "torch.compile+fused")
 
 
+def gpt_problem(dim: int, layers: int, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """examples/char_gpt.py's model (vocab 64, 64 tokens, 4 heads, tied embeddings,
+    dropout off) and one batch ``(x, y)``; :func:`gpt_ce` is its loss."""
+    from char_gpt import CharGPT
+
+    vocab, block = 64, 64
+    torch.manual_seed(0)
+    model = CharGPT(vocab, block, dim, layers, 4, dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, block), generator=g)
+    y = torch.randint(0, vocab, (batch, block), generator=g)
+    return model, x, y
+
+
+def gpt_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of :func:`gpt_problem`'s logits against targets ``y``."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def gpt_setup(variant: str, dim: int = 128, layers: int = 2) -> Callable[[], object]:
     """One step of the tiny GPT of examples/char_gpt.py (tied embeddings, causal SDPA,
     dropout off for a deterministic comparison): ``fg-comp`` is funcgrad's compiled,
     donated step (per-block zero rule + AdamW), ``fg-grads`` the same with
     ``compile="gradients"``, ``torch.compile+fused`` torch.compile of the model's
     forward + backward and torch.optim.AdamW(fused=True) (no rule)."""
-    from char_gpt import CharGPT
-
-    vocab, block, batch = 64, 64, 16
-    torch.manual_seed(0)
-    model = CharGPT(vocab, block, dim, layers, 4, dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (batch, block), generator=g)
-    y = torch.randint(0, vocab, (batch, block), generator=g)
+    model, x, y = gpt_problem(dim, layers, batch=16)
 
     def ce(logits: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+        return gpt_ce(logits, y)
 
     if variant == "torch.compile+fused":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
