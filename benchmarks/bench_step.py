@@ -205,7 +205,9 @@ def _in_graph_donation(loss_fn, tx, params, state):
 
 
 def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
-    """A model whose loss is sum(p * G): the backward is trivial, the update is all."""
+    """A model whose loss is sum(p * G): the backward is trivial, the update is all.
+    ``fg-comp-dict``: ``fg-comp`` on a params dict built by hand (one tensor per
+    parameter) instead of ``fg.params(model)``."""
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
     G = {}
@@ -219,7 +221,10 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
         if variant.startswith("acc-"):  # acc-mid: every call is a non-final micro-step
             every = 10**9 if variant == "acc-mid" else int(variant.split("-")[1])
             tx = fg.accumulate(tx, every=every)
-        params = fg.params(model)
+        if variant == "fg-comp-dict":
+            params = {k: p.detach() for k, p in model.named_parameters()}
+        else:
+            params = fg.params(model)
         state = tx.init(params)
 
         def loss_fn(p):

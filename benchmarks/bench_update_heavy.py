@@ -21,36 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_step import RULE, interleaved, update_heavy_setup
-
-import funcgrad as fg
-
-
-def per_tensor(layers: int = 8, width: int = 2048):
-    """``update_heavy_setup("fg-comp")`` on a params dict built by hand."""
-    gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    G = {}
-    for name, p in model.named_parameters():
-        g = torch.randn(p.shape, generator=gen)
-        g[torch.rand(p.shape, generator=gen) < 0.3] = 0.0
-        G[name] = g
-    tx = fg.chain(fg.per_group(RULE, fg.group_by_module(model)), fg.adam())
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    state = tx.init(params)
-
-    def loss_fn(p):
-        return sum((p[k] * G[k]).sum() for k in p)
-
-    step = fg.make_step(loss_fn, tx, compile=True, donate=True)
-    return lambda: step(params, state)
+from bench_step import interleaved, update_heavy_setup
 
 
 def main() -> None:
     fns = {
         "flat": update_heavy_setup("fg-comp"),
-        "per-tensor": per_tensor(),
+        "per-tensor": update_heavy_setup("fg-comp-dict"),
         "fused": update_heavy_setup("fused"),
     }
     t = interleaved(fns, 5, 3)
