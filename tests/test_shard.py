@@ -406,3 +406,26 @@ def test_which_split_fg_sharded_takes(one_rank):
     )
     for tx in shapes_read:
         assert split(tx) == "Ranks"
+
+
+def test_half_precision_buffers_in_chunks_equal_one_process(tmp_path):
+    """bfloat16, float16 and float32 parameters (one flat buffer each, odd lengths,
+    2-byte entries) in flat chunks on 2 ranks: every gradient is exact in its dtype
+    (tests/workers/shard_workers.py's half_run), so the ranks' parameters and state
+    equal one process on the full batch bit for bit."""
+    sw.run("half", tmp_path, 2)
+    want = sw.half_run(0, 1, sharded=False)
+    assert want["buffers"] == [torch.bfloat16, torch.float32, torch.float16]
+    for rank in (0, 1):
+        got = load(tmp_path, "half", rank)
+        assert got["split"] == "Chunks" and got["buffers"] == want["buffers"]
+        assert want["params"].keys() == got["params"].keys()
+        for k, v in want["params"].items():
+            assert got["params"][k].dtype == v.dtype, k
+            torch.testing.assert_close(got["params"][k], v, rtol=0, atol=0)
+        assert want["state"].keys() == got["state"].keys()
+        for k, v in want["state"].items():
+            torch.testing.assert_close(got["state"][k], v, rtol=0, atol=0)
+    # The rule did its work: c's gradient, all zero, was set to 1.0 (Adam moved c).
+    torch.manual_seed(0)
+    assert not torch.equal(want["params"]["c.weight"], sw.HalfNet().c.weight)

@@ -234,6 +234,60 @@ def resnet_run(rank: int, world: int, kind: str) -> dict[str, dict[str, torch.Te
     return {"params": dict(params), "buffers": dict(bufs)}
 
 
+class HalfNet(nn.Module):
+    """Parameters in three dtypes (two of them 2-byte), each buffer of odd length: fg.params
+    gives one buffer per dtype, each split in chunks with padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 5).to(torch.bfloat16)  # 15 entries
+        self.b = nn.Linear(3, 3, bias=False)  # float32, 9 entries
+        self.c = nn.Linear(2, 3).to(torch.float16)  # 9 entries, its gradient all zero
+
+
+def half_grads(m: nn.Module) -> dict[str, torch.Tensor]:
+    """Per parameter, multiples of 1/8 in [-1, 1] (a third of them zero; all of c's):
+    times 1, 2 or 3 they stay exact in bfloat16, so the mean over 2 ranks of G * 1 and
+    G * 3 is exactly one process's G * 2."""
+    g = torch.Generator().manual_seed(4)
+    out = {}
+    for k, p in m.named_parameters():
+        q = torch.randint(-8, 9, p.shape, generator=g) * (torch.rand(p.shape, generator=g) > 0.33)
+        out[k] = (q / 8).to(p.dtype) * (not k.startswith("c."))
+    return out
+
+
+def half_run(rank: int, world: int, sharded: bool) -> dict:
+    """HalfNet, 3 steps of the seed rule per layer + Adam (eager, donated), each rank's
+    loss sum(p * G) * mean(x) with mean(x) = 1 on rank 0 and 3 on rank 1 (2 on the full
+    batch): every gradient, and so every result, is exact in the parameters' dtypes."""
+    torch.manual_seed(0)
+    m = HalfNet()
+    G = half_grads(m)
+    tx = fg.chain(
+        fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam(lr=0.1, eps=1e-3)
+    )
+    tx = fg.sharded(tx) if sharded else tx
+
+    def loss(p, x):
+        return sum((p[k].float() * G[k].float()).sum() for k in G) * x.mean()
+
+    step = fg.make_step(loss, tx, donate=True)
+    params = fg.params(m)
+    state = tx.init(params)
+    x = torch.tensor([1.0, 1.0, 3.0, 3.0])
+    n = 4 // world
+    for _ in range(3):
+        step(params, state, x[rank * n : (rank + 1) * n])
+    saved = fg.state_dict(state)
+    return {
+        "split": type(type(state).layout.ranks).__name__ if sharded else None,
+        "buffers": [b.dtype for b in params.buffers],
+        "params": {k: v.clone() for k, v in params.items()},
+        "state": dict(fg._tree.tensor_paths(_shard_checkpoint.full_tensors(saved))),
+    }
+
+
 def state_bytes(state) -> int:
     return sum(t.numel() * t.element_size() for _, t in fg._tree.tensor_paths(state))
 
@@ -291,6 +345,10 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 params, _ = train(m, tx, step, rank, world)
                 result[where] = {k: v.clone() for k, v in params.items()}
             torch.save(result, Path(out) / f"{mode}-rank{rank}.pt")
+            dist.barrier()
+            return
+        if mode == "half":  # flat chunks of bfloat16 / float16 / float32 buffers
+            torch.save(half_run(rank, world, True), Path(out) / f"{mode}-rank{rank}.pt")
             dist.barrier()
             return
         if mode == "optimizers":  # every optimizer of #24 under fg.sharded, eager
