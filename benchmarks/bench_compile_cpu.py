@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from bench_step import cold_caches
+from bench_step import cold_caches, per_name
 
 VARIANTS = ("grad", "adam", "step", "step-dict", "step-p1")
 
@@ -65,12 +65,12 @@ def gpt_call(layers: int, variant: str) -> Callable[[], object]:
 
     if variant == "grad":
         f = torch.compile(grad_and_value(loss), fullgraph=True)
-        plain = dict(fg.params(m))
+        plain = per_name(m)
         return lambda: f(plain, x, y)
     tx = fg.adamw(lr=1e-3)
     if variant != "adam":
         tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), tx)
-    params = fg.params(m) if variant != "step-dict" else dict(fg.params(m))
+    params = fg.params(m) if variant != "step-dict" else per_name(m)
     state = tx.init(params)
     step = fg.make_step(loss, tx, compile=True, donate=True)
     return lambda: step(params, state, x, y)

@@ -8,7 +8,8 @@ loss; funcgrad's step is the seed rule per layer + Adam, donated. For each ``L``
   the published hook answer + ``torch.optim.Adam`` on the same model;
 * compiled (for the ``--compile-layers`` sizes): the cold compile of the step in a
   fresh process with empty inductor caches, against the cold compile of the gradient
-  computation alone (``torch.compile(torch.func.grad_and_value(loss))``), and the
+  computation alone (``torch.compile(torch.func.grad_and_value(loss))`` over one tensor
+  per parameter), and the
   median compiled step against the compiled gradient computation; the same for
   ``make_step(compile="gradients")`` (forward and backward compiled, rule and Adam
   eager).
@@ -38,7 +39,7 @@ import funcgrad as fg
 import funcgrad._step as fg_internal_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_step import cold_caches, interleaved
+from bench_step import cold_caches, interleaved, per_name
 from hook_answer import attach_hook_answer
 
 DEVICE = torch.device("cpu")
@@ -133,7 +134,7 @@ def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
     m = model(layers, width)
     if which == "grad":
         f = torch.compile(torch.func.grad_and_value(loss_of(m)), fullgraph=True)
-        params = fg.params(m)
+        params = per_name(m)
 
         def call() -> object:
             return f(params, x, y)
