@@ -210,15 +210,16 @@ def make_call(layers: int, variant: str) -> Callable[[], object]:
     m, loss, x, y = setup(layers)
     if variant == "grad":  # the model's own gradients, one tensor per parameter
         f = torch.compile(grad_and_value(loss), fullgraph=True)
-        params = dict(fg.params(m))
+        params = {k: p.detach() for k, p in m.named_parameters()}  # m is not flattened
         call: Callable[[], object] = lambda: f(params, x, y)  # noqa: E731
     elif variant in ("adam", "step", "step-dict", "eager", "eager-dict"):
         tx: fg.GradientTransformation = fg.adam()
         if variant != "adam":
             tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), tx)
-        params = fg.params(m)  # the flat layout since #21
         if variant.endswith("-dict"):  # the per-tensor layout: a dict built by hand
             params = {k: p.detach() for k, p in m.named_parameters()}
+        else:
+            params = fg.params(m)  # the flat layout since #21
         state = tx.init(params)
         step = fg.make_step(loss, tx, compile=not variant.startswith("eager"), donate=True)
         call = lambda: step(params, state, x, y)  # noqa: E731
