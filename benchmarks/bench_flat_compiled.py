@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 import funcgrad as fg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import interleaved, mlp
+from bench_step import interleaved, mlp, per_name
 
 
 def build(flat: bool, rule: bool, device: str = "cpu") -> tuple[Callable[[], object], float]:
@@ -51,7 +51,7 @@ def build(flat: bool, rule: bool, device: str = "cpu") -> tuple[Callable[[], obj
 
     adam = fg.adam()
     tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), adam) if rule else adam
-    params = fg.params(m) if flat else {k: p.detach().clone() for k, p in m.named_parameters()}
+    params = fg.params(m) if flat else per_name(m)
     state = tx.init(params)
     step = fg.make_step(loss, tx, compile=True, donate=True)
     t = time.perf_counter()

@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_step import interleaved
+from bench_step import interleaved, per_name
 from hook_answer import attach_hook_answer
 from study_flat_state import setup
 
@@ -39,9 +39,8 @@ def main() -> None:
         for name in ("flat", "per-tensor"):
             m, loss, x, y = setup(layers)
             tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam())
-            params = fg.params(m)
-            if name == "per-tensor":
-                params = {k: p.detach() for k, p in m.named_parameters()}
+            # per tensor: separate tensors of the module, not views of fg.params' buffer
+            params = per_name(m) if name == "per-tensor" else fg.params(m)
             state = tx.init(params)
             step = fg.make_step(loss, tx, donate=True)
             calls[name] = lambda s=step, p=params, st=state, x=x, y=y: s(p, st, x, y)

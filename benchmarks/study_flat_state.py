@@ -57,7 +57,7 @@ import funcgrad as fg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from bench_scaling import batch, model
-from bench_step import cold_caches, interleaved, mlp
+from bench_step import cold_caches, interleaved, mlp, per_name
 
 B1, B2, LR, EPS = 0.9, 0.999, 1e-3, 1e-8
 VARIANTS = (
@@ -210,16 +210,14 @@ def make_call(layers: int, variant: str) -> Callable[[], object]:
     m, loss, x, y = setup(layers)
     if variant == "grad":  # the model's own gradients, one tensor per parameter
         f = torch.compile(grad_and_value(loss), fullgraph=True)
-        params = {k: p.detach() for k, p in m.named_parameters()}  # m is not flattened
+        params = per_name(m)  # m is not flattened: separate tensors
         call: Callable[[], object] = lambda: f(params, x, y)  # noqa: E731
     elif variant in ("adam", "step", "step-dict", "eager", "eager-dict"):
         tx: fg.GradientTransformation = fg.adam()
         if variant != "adam":
             tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), tx)
-        if variant.endswith("-dict"):  # the per-tensor layout: a dict built by hand
-            params = {k: p.detach() for k, p in m.named_parameters()}
-        else:
-            params = fg.params(m)  # the flat layout since #21
+        # the per-tensor layout (a dict built by hand), or the flat one since #21
+        params = per_name(m) if variant.endswith("-dict") else fg.params(m)
         state = tx.init(params)
         step = fg.make_step(loss, tx, compile=not variant.startswith("eager"), donate=True)
         call = lambda: step(params, state, x, y)  # noqa: E731
