@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import socket
 import time
 from datetime import timedelta
@@ -93,12 +94,20 @@ def run_ranks(mode: str, out: Path, world: int = 2, deadline_s: float = 180.0) -
     return spawn(worker, mode, out, world, deadline_s)
 
 
+def _traced(rank: int, fn, *args) -> None:
+    """``fn(rank, *args)`` with faulthandler on: a worker killed by a signal (SIGSEGV,
+    SIGABRT from glibc's heap checks) prints every thread's Python stack to stderr,
+    which pytest shows with the failure."""
+    faulthandler.enable(all_threads=True)
+    fn(rank, *args)
+
+
 def spawn(fn, mode: str, out: Path, world: int, deadline_s: float) -> float:
     """``fn(rank, world, port, mode, out)`` on ``world`` spawned processes, waited for
     with a hard deadline; a straggler is killed. Returns the seconds it took."""
     ctx = mp.start_processes(
-        fn,
-        args=(world, free_port(), mode, str(out)),
+        _traced,
+        args=(fn, world, free_port(), mode, str(out)),
         nprocs=world,
         join=False,
         start_method="spawn",
