@@ -179,7 +179,7 @@ class Flat(Mapping[str, Tensor]):
         True
     """
 
-    __slots__ = ("_owner", "_views", "buffers", "layout")
+    __slots__ = ("_owner", "_parts", "_views", "buffers", "layout")
 
     buffers: tuple[Tensor, ...]
     layout: Layout
@@ -191,6 +191,47 @@ class Flat(Mapping[str, Tensor]):
         self.layout = layout
         self._views: dict[str, Tensor] | None = None
         self._owner = owner
+        self._parts: Mapping[str, Tensor] | None = None
+
+    @classmethod
+    def packed_from(cls, parts: Mapping[str, Tensor], layout: Layout) -> Flat:
+        """``pack(parts, layout)`` that keeps ``parts`` (in traced code only), for
+        :meth:`parts_in`.
+
+        Under inductor on the CPU a ``cat`` is always a buffer written whole
+        (``ConcatKernel``), so the flat gradient costs one more pass over every
+        gradient; when the rules read the per-name gradients (the backward's own
+        outputs, where their reductions fuse) and nothing else reads the flat
+        buffer, that ``cat`` is dead code and inductor drops it. ``parts`` must not
+        change afterwards (a traced step's gradients do not)."""
+        flat = pack(parts, layout)
+        if flat is not parts and torch.compiler.is_compiling():
+            flat._parts = parts
+        return flat
+
+    def parts_in(self, b: int, start: int, stop: int) -> dict[str, Tensor] | None:
+        """The kept parts (:meth:`packed_from`) that tile entries ``[start, stop)`` of
+        buffer ``b`` exactly, by name in order; None if none are kept or they do
+        not tile that range (then read the buffer)."""
+        buf = self.buffers[b]
+        parts = self._parts
+        if parts is None or buf.dim() != 1:
+            return None
+        run, at = {}, start
+        for n in self.layout.names_in(b):
+            _, o, shape = self.layout.entries[self.layout.index[n]]
+            if o < start or o >= stop:
+                continue
+            part = parts[n]
+            if o != at or part.dtype != buf.dtype or part.shape != shape:
+                return None
+            run[n] = part
+            at += math.prod(shape)
+        return run if at == stop else None
+
+    def has_parts(self) -> bool:
+        """Whether this keeps the per-name tensors it was packed from (:meth:`packed_from`)."""
+        return self._parts is not None
 
     # The mapping: views made on first use (and kept, outside traced code).
     def views(self) -> dict[str, Tensor]:

@@ -46,7 +46,7 @@ from ._base import GradientTransformation, LossFn, Params, State, apply_updates,
 from ._checks import Checks, compile_scope
 from ._compose import transform_active
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
-from ._flat import Flat, leaves, like
+from ._flat import Flat, leaves
 from ._model import watching_buffers
 from ._per_sample import vmapped_grads
 from ._scratch import Scratch, lending
@@ -190,8 +190,8 @@ def _core(
         flat = params if isinstance(params, Flat) else None
         # Flat params (fg.params(model)): the loss sees per-name views, and the
         # per-name gradients are gathered into the flat layout in one cat per buffer.
-        grads, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
-        grads = like(grads, None if flat is None else flat.layout)
+        named, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
+        grads: Any = named if flat is None else Flat.packed_from(named, flat.layout)
         with contextlib.nullcontext() if record else torch.no_grad():
             updates, new_state = tx.update(grads, state, params)
             new: tuple[Any, ...] = (
@@ -199,7 +199,9 @@ def _core(
                 new_state,
             )
         new += (new_bufs,) if buffers else ()
-        return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
+        # The gradients as the backward gave them (per name): what the compiled step's
+        # writes are ordered after (_after_gradients), without reading a flat buffer.
+        return new, named, (loss.detach(),) + ((aux,) if has_aux else ())
 
     def pure_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         new, _, rest = compute(gradients, params, state, *args)

@@ -128,19 +128,34 @@ def _on_segments(
     """
     out = []
     for b, buf in enumerate(grads.buffers):
-        pieces, at = [], 0
+
+        def entries(start: int, stop: int, b: int = b) -> dict[str, Tensor]:
+            """Entries ``[start, stop)``: the per-name gradients that tile them, when
+            the step keeps them (Flat.packed_from), else one slice of the buffer."""
+            parts = grads.parts_in(b, start, stop)
+            return parts if parts is not None else {"segment": grads.buffers[b][start:stop]}
+
+        pieces: list[Tensor] = []
+        at = 0
         spans = [(s, e) for i, s, e in segments if i == b]
-        for start, period, k, cols in _blocks(spans, buf.shape[-1]):
+        if grads.has_parts() and len(spans) <= FEW_GROUPS:
+            # Each group ruled on its own, from the per-name gradients: nothing reads
+            # the flat gradient, which a compiled step then never writes.
+            blocks: list[Block] = [(s, e - s, 1, ((0, e - s, True),)) for s, e in spans]
+        else:
+            blocks = _blocks(spans, buf.shape[-1])
+        for start, period, k, cols in blocks:
             if start > at:
-                pieces.append(buf[at:start])
+                pieces.extend(t.reshape(-1) for t in entries(at, start).values())
             if k == 1:
-                seg = buf[start : start + period]
-                pieces.append(apply_rule(rule, {"segment": seg})["segment"])
+                group = entries(start, start + period)
+                ruled = apply_rule(rule, group)
+                pieces.extend(ruled[n].reshape(-1) for n in group)
             else:
                 region = buf[start : start + k * period].view(k, period)
                 done = []
-                for a, e, ruled in cols:
-                    if not ruled:
+                for a, e, is_group in cols:
+                    if not is_group:
                         done.append(region[:, a:e])
                         continue
                     with _rb.rows():
@@ -149,10 +164,19 @@ def _on_segments(
                 pieces.append(block.reshape(-1))
             at = start + k * period
         if at < buf.numel():
-            pieces.append(buf[at:])
+            pieces.extend(t.reshape(-1) for t in entries(at, buf.numel()).values())
         out.append(cat(pieces))
     return Flat(out, grads.layout)
 
+
+FEW_GROUPS = 8
+"""Up to this many groups in a buffer, a compiled step (which keeps the per-name
+gradients, :meth:`funcgrad.Flat.packed_from`) rules each group on its own, on those
+gradients: the flat gradient is then never written, and each rule fuses into the
+backward's kernels and its output into the update (the compiled MLP step ran at
+1.03-1.07x the per-tensor layout's, against 1.31-1.47x through the flat gradient;
+benchmarks/README.md). More groups are ruled as blocks of rows (:func:`_blocks`),
+which keeps a deep stack's compile time flat per layer."""
 
 MAX_PERIOD = 16
 """The most groups per block :func:`_blocks` looks for (a transformer block: 6-8)."""
@@ -209,14 +233,17 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
 
 def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:
     """Each group as a dict; a group that is one segment of flat gradients is that
-    segment alone (its statistics are the group's), outside ``fg.sharded``."""
+    segment alone (its statistics are the group's), outside ``fg.sharded``, or the
+    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat.parts_in`)."""
     segs = isinstance(grads, Flat) and _rb.shards() is None
     out = {}
     for g, names in groups.items():
         seg = grads.layout.segment(names) if segs else None  # type: ignore[attr-defined]
         if seg is not None:
             b, start, stop = seg
-            out[g] = {"segment": grads.buffers[b][start:stop]}  # type: ignore[attr-defined]
+            parts = grads.parts_in(b, start, stop)  # type: ignore[attr-defined]
+            whole = {"segment": grads.buffers[b][start:stop]}  # type: ignore[attr-defined]
+            out[g] = parts if parts is not None else whole
         else:
             out[g] = {n: grads[n] for n in names}
     return out

@@ -192,6 +192,9 @@ def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, a
         return real_rows()
 
     monkeypatch.setattr(rb, "rows", spy)
+    # Compiled, a buffer of few groups is ruled per group on the per-name gradients
+    # (test_compiled_step_rules_the_per_name_gradients); rows are what is tested here.
+    monkeypatch.setattr("funcgrad._transforms.FEW_GROUPS", 0)
 
     def tx(m):
         groups = fg.group_by_module(m)
@@ -215,6 +218,64 @@ def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, a
     rtol = 1e-12 if compile is not True else 1e-5  # inductor's kernels round differently
     assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
     assert_trees_close(sa.inner_states[1], sb.inner_states[1], rtol=rtol, atol=1e-12)
+
+
+def gapped() -> nn.Module:
+    """Linear layers with LayerNorms before, between and after them."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.LayerNorm(4), nn.Linear(4, 6), nn.ReLU(), nn.LayerNorm(6), nn.Linear(6, 6),
+        nn.ReLU(), nn.Linear(6, 3), nn.LayerNorm(3),
+    ).double()  # fmt: skip
+
+
+PARTS_SEEN: list[tuple[str, ...]] = []
+_parts_in = Flat.parts_in
+
+
+def _parts_spy(self, b, start, stop):
+    out = _parts_in(self, b, start, stop)
+    if out is not None:
+        PARTS_SEEN.append(tuple(out))
+    return out
+
+
+@pytest.mark.parametrize("name", ["zero_fix", "norm_clip"])
+def test_compiled_step_rules_the_per_name_gradients(name, monkeypatch) -> None:
+    """Compiled, a buffer of few groups is ruled per group on the backward's per-name
+    gradients (Flat.packed_from; the flat gradient is then dead code), the entries in
+    no group (the LayerNorms: before, between and after the groups) passed through
+    from them too: the same as the eager step, which rules slices of the flat
+    gradient, and as the per-tensor layout."""
+    seen = PARTS_SEEN  # a module's list: dynamo replays appends to it, not to a closure's
+    seen.clear()
+    monkeypatch.setattr(Flat, "parts_in", _parts_spy)
+
+    def tx(m):
+        groups = fg.group_by_module(m, types=(nn.Linear,))
+        return fg.chain(fg.per_group(STACK_RULES[name], groups), fg.adam(1e-2))
+
+    torch._dynamo.reset()
+    runs = {}
+    for key, compile, layout in (("compiled", AOT, fg.params), ("eager", False, fg.params),
+                                 ("per tensor", AOT, per_tensor)):  # fmt: skip
+        m = gapped()
+        with torch.no_grad():
+            m[4].weight.zero_()  # no gradient reaches layers 0-3: group 1's is all zero
+        runs[key] = train(m, layout(m), tx(m), compile=compile)
+        if key == "compiled":  # every group and every gap read from the per-name gradients
+            assert set(seen) == {
+                ("0.weight", "0.bias"), ("1.weight", "1.bias"), ("3.weight", "3.bias"),
+                ("4.weight", "4.bias"), ("6.weight", "6.bias"), ("7.weight", "7.bias"),
+            }  # fmt: skip
+            seen.clear()
+    assert not seen  # eagerly, the rules read slices of the flat gradient
+    (pc, sc), (pe, se), (pt, st) = runs["compiled"], runs["eager"], runs["per tensor"]
+    for want, state in ((dict(pe), se), (pt, st)):
+        assert_trees_close(dict(pc), want, rtol=1e-12, atol=1e-12)
+        assert_trees_close(sc.inner_states[1], state.inner_states[1], rtol=1e-12, atol=1e-12)
+    if name == "zero_fix":  # its first branch (all zero -> 1.0) trained layer 1
+        assert not torch.equal(pc["1.weight"], gapped()[1].weight)
 
 
 def test_flat_adamw_equals_torch_optim() -> None:
