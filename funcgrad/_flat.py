@@ -194,9 +194,9 @@ class Flat(Mapping[str, Tensor]):
         self._parts: Mapping[str, Tensor] | None = None
 
     @classmethod
-    def packed_from(cls, parts: Mapping[str, Tensor], layout: Layout) -> Flat:
+    def _packed_from(cls, parts: Mapping[str, Tensor], layout: Layout) -> Flat:
         """``pack(parts, layout)`` that keeps ``parts`` (in traced code only), for
-        :meth:`parts_in`.
+        :meth:`_parts_in`.
 
         Under inductor on the CPU a ``cat`` is always a buffer written whole
         (``ConcatKernel``), so the flat gradient costs one more pass over every
@@ -209,8 +209,8 @@ class Flat(Mapping[str, Tensor]):
             flat._parts = parts
         return flat
 
-    def parts_in(self, b: int, start: int, stop: int) -> dict[str, Tensor] | None:
-        """The kept parts (:meth:`packed_from`) that tile entries ``[start, stop)`` of
+    def _parts_in(self, b: int, start: int, stop: int) -> dict[str, Tensor] | None:
+        """The kept parts (:meth:`_packed_from`) that tile entries ``[start, stop)`` of
         buffer ``b`` exactly, by name in order; None if none are kept or they do
         not tile that range (then read the buffer)."""
         buf = self.buffers[b]
@@ -229,8 +229,8 @@ class Flat(Mapping[str, Tensor]):
             at += math.prod(shape)
         return run if at == stop else None
 
-    def has_parts(self) -> bool:
-        """Whether this keeps the per-name tensors it was packed from (:meth:`packed_from`)."""
+    def _has_parts(self) -> bool:
+        """Whether this keeps the per-name tensors it was packed from (:meth:`_packed_from`)."""
         return self._parts is not None
 
     # The mapping: views made on first use (and kept, outside traced code).

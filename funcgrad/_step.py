@@ -191,7 +191,7 @@ def _core(
         # Flat params (fg.params(model)): the loss sees per-name views, and the
         # per-name gradients are gathered into the flat layout in one cat per buffer.
         named, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
-        grads: Any = named if flat is None else Flat.packed_from(named, flat.layout)
+        grads: Any = named if flat is None else Flat._packed_from(named, flat.layout)
         with contextlib.nullcontext() if record else torch.no_grad():
             updates, new_state = tx.update(grads, state, params)
             new: tuple[Any, ...] = (

@@ -131,14 +131,14 @@ def _on_segments(
 
         def entries(start: int, stop: int, b: int = b) -> dict[str, Tensor]:
             """Entries ``[start, stop)``: the per-name gradients that tile them, when
-            the step keeps them (Flat.packed_from), else one slice of the buffer."""
-            parts = grads.parts_in(b, start, stop)
+            the step keeps them (Flat._packed_from), else one slice of the buffer."""
+            parts = grads._parts_in(b, start, stop)
             return parts if parts is not None else {"segment": grads.buffers[b][start:stop]}
 
         pieces: list[Tensor] = []
         at = 0
         spans = [(s, e) for i, s, e in segments if i == b]
-        if grads.has_parts() and len(spans) <= FEW_GROUPS:
+        if grads._has_parts() and len(spans) <= FEW_GROUPS:
             # Each group ruled on its own, from the per-name gradients: nothing reads
             # the flat gradient, which a compiled step then never writes.
             blocks: list[Block] = [(s, e - s, 1, ((0, e - s, True),)) for s, e in spans]
@@ -171,7 +171,7 @@ def _on_segments(
 
 FEW_GROUPS = 8
 """Up to this many groups in a buffer, a compiled step (which keeps the per-name
-gradients, :meth:`funcgrad.Flat.packed_from`) rules each group on its own, on those
+gradients, :meth:`funcgrad.Flat._packed_from`) rules each group on its own, on those
 gradients: the flat gradient is then never written, and each rule fuses into the
 backward's kernels and its output into the update (the compiled MLP step ran at
 1.03-1.07x the per-tensor layout's, against 1.31-1.47x through the flat gradient;
@@ -234,14 +234,14 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
 def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:
     """Each group as a dict; a group that is one segment of flat gradients is that
     segment alone (its statistics are the group's), outside ``fg.sharded``, or the
-    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat.parts_in`)."""
+    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat._parts_in`)."""
     segs = isinstance(grads, Flat) and _rb.shards() is None
     out = {}
     for g, names in groups.items():
         seg = grads.layout.segment(names) if segs else None  # type: ignore[attr-defined]
         if seg is not None:
             b, start, stop = seg
-            parts = grads.parts_in(b, start, stop)  # type: ignore[attr-defined]
+            parts = grads._parts_in(b, start, stop)  # type: ignore[attr-defined]
             whole = {"segment": grads.buffers[b][start:stop]}  # type: ignore[attr-defined]
             out[g] = parts if parts is not None else whole
         else:

@@ -230,11 +230,11 @@ def gapped() -> nn.Module:
 
 
 PARTS_SEEN: list[tuple[str, ...]] = []
-_parts_in = Flat.parts_in
+_real_parts_in = Flat._parts_in
 
 
 def _parts_spy(self, b, start, stop):
-    out = _parts_in(self, b, start, stop)
+    out = _real_parts_in(self, b, start, stop)
     if out is not None:
         PARTS_SEEN.append(tuple(out))
     return out
@@ -243,13 +243,13 @@ def _parts_spy(self, b, start, stop):
 @pytest.mark.parametrize("name", ["zero_fix", "norm_clip"])
 def test_compiled_step_rules_the_per_name_gradients(name, monkeypatch) -> None:
     """Compiled, a buffer of few groups is ruled per group on the backward's per-name
-    gradients (Flat.packed_from; the flat gradient is then dead code), the entries in
+    gradients (Flat._packed_from; the flat gradient is then dead code), the entries in
     no group (the LayerNorms: before, between and after the groups) passed through
     from them too: the same as the eager step, which rules slices of the flat
     gradient, and as the per-tensor layout."""
     seen = PARTS_SEEN  # a module's list: dynamo replays appends to it, not to a closure's
     seen.clear()
-    monkeypatch.setattr(Flat, "parts_in", _parts_spy)
+    monkeypatch.setattr(Flat, "_parts_in", _parts_spy)
 
     def tx(m):
         groups = fg.group_by_module(m, types=(nn.Linear,))
