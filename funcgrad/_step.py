@@ -145,12 +145,35 @@ def _after_gradients(grads: Params, old: Any, new: Any) -> Any:
     writes after the backward. The select fuses into the update kernels, which read
     the old values anyway.
     """
-    probes = [g.reshape(-1)[:1].to(torch.float32) for g in leaves(grads) if g.numel()]
+    probes = [g.reshape(-1)[:1].to(torch.float32) for g in _probed(grads) if g.numel()]
     if not probes:
         return new
     probe = torch.cat(probes)
     never = (probe != probe).all() & (probe == probe).all()  # NaN and not NaN: False
     return tree_map(lambda o, n: torch.where(never, o, n), old, new)
+
+
+FEW_PROBED = 16
+"""A buffer of at most this many entries is probed per name by :func:`_after_gradients`
+when the step kept its per-name gradients; a larger one through its flat gradient."""
+
+
+def _probed(grads: Params) -> list[Tensor]:
+    """The tensors whose computation the writes wait for: every gradient, or for flat
+    gradients one per buffer, except that a buffer of few entries whose per-name
+    gradients the step kept (:meth:`funcgrad.Flat._packed_from`) is probed through
+    those: its flat gradient may be dead code (the rules read the per-name ones), and
+    a probe of it would keep it. Through the flat gradient a buffer is one probe,
+    which keeps a deep stack's compile short (one per name cost about 2 CPU s of 31 at
+    40 layers, benchmarks/README.md)."""
+    if not isinstance(grads, Flat):
+        return leaves(grads)
+    out: list[Tensor] = []
+    for b, buf in enumerate(grads.buffers):
+        few = len(grads.layout.names_in(b)) <= FEW_PROBED
+        parts = grads._parts_in(b, 0, buf.shape[-1]) if few else None
+        out.extend(parts.values() if parts is not None else [buf])
+    return out
 
 
 class _Core(NamedTuple):
@@ -199,9 +222,7 @@ def _core(
                 new_state,
             )
         new += (new_bufs,) if buffers else ()
-        # The gradients as the backward gave them (per name): what the compiled step's
-        # writes are ordered after (_after_gradients), without reading a flat buffer.
-        return new, named, (loss.detach(),) + ((aux,) if has_aux else ())
+        return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
 
     def pure_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         new, _, rest = compute(gradients, params, state, *args)

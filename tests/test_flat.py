@@ -267,6 +267,7 @@ def test_compiled_step_rules_the_per_name_gradients(name, monkeypatch) -> None:
             assert set(seen) == {
                 ("0.weight", "0.bias"), ("1.weight", "1.bias"), ("3.weight", "3.bias"),
                 ("4.weight", "4.bias"), ("6.weight", "6.bias"), ("7.weight", "7.bias"),
+                tuple(n for n, _ in m.named_parameters()),  # the writes' fence: all of them
             }  # fmt: skip
             seen.clear()
     assert not seen  # eagerly, the rules read slices of the flat gradient
