@@ -70,7 +70,7 @@ class Layout:
     compiled step guarding on it never recompiles for an equal one.
     """
 
-    __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes")
+    __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes", "starts")
     _interned: ClassVar[dict[tuple[Any, ...], Layout]] = {}
 
     names: tuple[str, ...]
@@ -78,6 +78,7 @@ class Layout:
     sizes: tuple[int, ...]
     index: dict[str, int]
     members: tuple[tuple[str, ...], ...]
+    starts: dict[tuple[int, int], int]
 
     @classmethod
     def of(
@@ -99,6 +100,10 @@ class Layout:
             tuple(n for n, (i, _, _) in zip(self.names, self.entries, strict=True) if i == b)
             for b in range(count)
         )
+        self.starts = {}  # (buffer, offset) -> position in members[buffer] of the first there
+        for b, names in enumerate(self.members):
+            for i, n in enumerate(names):
+                self.starts.setdefault((b, self.entries[self.index[n]][1]), i)
         cls._interned[key] = self
         return self
 
@@ -158,6 +163,25 @@ class Layout:
             at += math.prod(s)
         return b, start, at
 
+    def run(self, b: int, start: int, stop: int) -> tuple[str, ...] | None:
+        """The names whose entries tile ``[start, stop)`` of buffer ``b`` exactly, in
+        order (the inverse of :meth:`segment`); None if no run of entries does. Reads
+        only the entries in the range (traced code runs it once per group)."""
+        i = self.starts.get((b, start))
+        if i is None:
+            return () if start == stop else None
+        names, out, at = self.members[b], [], start
+        while i < len(names):
+            _, o, shape = self.entries[self.index[names[i]]]
+            if o >= stop:
+                break
+            if o != at:
+                return None
+            out.append(names[i])
+            at += math.prod(shape)
+            i += 1
+        return tuple(out) if at == stop else None
+
     def __repr__(self) -> str:
         return f"Layout({len(self.names)} tensors in {len(self.sizes)} buffer(s))"
 
@@ -215,19 +239,22 @@ class Flat(Mapping[str, Tensor]):
         not tile that range (then read the buffer)."""
         buf = self.buffers[b]
         parts = self._parts
-        if parts is None or buf.dim() != 1:
+        names = None if parts is None or buf.dim() != 1 else self.layout.run(b, start, stop)
+        if names is None:
             return None
-        run, at = {}, start
-        for n in self.layout.names_in(b):
-            _, o, shape = self.layout.entries[self.layout.index[n]]
-            if o < start or o >= stop:
-                continue
-            part = parts[n]
-            if o != at or part.dtype != buf.dtype or part.shape != shape:
+        run = {n: parts[n] for n in names}  # type: ignore[index]
+        for n, part in run.items():
+            shape = self.layout.entries[self.layout.index[n]][2]
+            if part.dtype != buf.dtype or part.shape != shape:
                 return None
-            run[n] = part
-            at += math.prod(shape)
-        return run if at == stop else None
+        return run
+
+    def _entries(self, b: int, start: int, stop: int) -> dict[str, Tensor]:
+        """Entries ``[start, stop)`` of buffer ``b`` as a group for a rule or a
+        statistic: the kept per-name parts that tile them (:meth:`_parts_in`), else
+        ``{"segment": the slice of the buffer}``."""
+        parts = self._parts_in(b, start, stop)
+        return parts if parts is not None else {"segment": self.buffers[b][start:stop]}
 
     def _has_parts(self) -> bool:
         """Whether this keeps the per-name tensors it was packed from (:meth:`_packed_from`)."""

@@ -128,13 +128,6 @@ def _on_segments(
     """
     out = []
     for b, buf in enumerate(grads.buffers):
-
-        def entries(start: int, stop: int, b: int = b) -> dict[str, Tensor]:
-            """Entries ``[start, stop)``: the per-name gradients that tile them, when
-            the step keeps them (Flat._packed_from), else one slice of the buffer."""
-            parts = grads._parts_in(b, start, stop)
-            return parts if parts is not None else {"segment": grads.buffers[b][start:stop]}
-
         pieces: list[Tensor] = []
         at = 0
         spans = [(s, e) for i, s, e in segments if i == b]
@@ -146,9 +139,9 @@ def _on_segments(
             blocks = _blocks(spans, buf.shape[-1])
         for start, period, k, cols in blocks:
             if start > at:
-                pieces.extend(t.reshape(-1) for t in entries(at, start).values())
+                pieces.extend(t.reshape(-1) for t in grads._entries(b, at, start).values())
             if k == 1:
-                group = entries(start, start + period)
+                group = grads._entries(b, start, start + period)
                 ruled = apply_rule(rule, group)
                 pieces.extend(ruled[n].reshape(-1) for n in group)
             else:
@@ -164,7 +157,7 @@ def _on_segments(
                 pieces.append(block.reshape(-1))
             at = start + k * period
         if at < buf.numel():
-            pieces.extend(t.reshape(-1) for t in entries(at, buf.numel()).values())
+            pieces.extend(t.reshape(-1) for t in grads._entries(b, at, buf.numel()).values())
         out.append(cat(pieces))
     return Flat(out, grads.layout)
 
@@ -174,7 +167,7 @@ FEW_GROUPS = 8
 gradients, :meth:`funcgrad.Flat._packed_from`) rules each group on its own, on those
 gradients: the flat gradient is then never written, and each rule fuses into the
 backward's kernels and its output into the update (the compiled MLP step ran at
-1.03-1.07x the per-tensor layout's, against 1.31-1.47x through the flat gradient;
+1.02-1.12x the per-tensor layout's, against 1.11-1.61x through the flat gradient;
 benchmarks/README.md). More groups are ruled as blocks of rows (:func:`_blocks`),
 which keeps a deep stack's compile time flat per layer."""
 
@@ -234,16 +227,13 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
 def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:
     """Each group as a dict; a group that is one segment of flat gradients is that
     segment alone (its statistics are the group's), outside ``fg.sharded``, or the
-    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat._parts_in`)."""
+    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat._entries`)."""
     segs = isinstance(grads, Flat) and _rb.shards() is None
     out = {}
     for g, names in groups.items():
         seg = grads.layout.segment(names) if segs else None  # type: ignore[attr-defined]
         if seg is not None:
-            b, start, stop = seg
-            parts = grads._parts_in(b, start, stop)  # type: ignore[attr-defined]
-            whole = {"segment": grads.buffers[b][start:stop]}  # type: ignore[attr-defined]
-            out[g] = parts if parts is not None else whole
+            out[g] = grads._entries(*seg)  # type: ignore[attr-defined]
         else:
             out[g] = {n: grads[n] for n in names}
     return out
