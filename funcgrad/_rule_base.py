@@ -128,12 +128,39 @@ def in_rows() -> bool:
 
 def any_(t: Tensor) -> Tensor:
     """``t.any()``: 0-d, or ``(k, 1)`` per row under :func:`rows`."""
+    b = _bytes(t)
+    if b is not None:  # max of the bytes: see _bytes
+        return (b.amax(dim=-1, keepdim=True) if _ROWS.on else b.max()) != 0
     return t.any(dim=-1, keepdim=True) if _ROWS.on else t.any()
 
 
 def all_(t: Tensor) -> Tensor:
     """``t.all()``: 0-d, or ``(k, 1)`` per row under :func:`rows`."""
+    b = _bytes(t)
+    if b is not None:  # min of the bytes: see _bytes
+        return (b.amin(dim=-1, keepdim=True) if _ROWS.on else b.min()) != 0
     return t.all(dim=-1, keepdim=True) if _ROWS.on else t.all()
+
+
+def _bytes(t: Tensor) -> Tensor | None:
+    """A non-empty bool CPU tensor as its bytes (``uint8``, 0 or 1), eagerly and for
+    a plain tensor only (not under ``vmap`` or ``grad``, not traced); else None.
+
+    torch's CPU ``all()`` / ``any()`` of a bool tensor ran 20-40x as long as
+    ``min()`` / ``max()`` of the same bytes (torch 2.13, 2 threads: 85 / 67 us
+    against 3.3 / 3.4 us for 262,144 entries; per row of a (200, 4096) mask 260 /
+    237 against 7 / 14 us), and they are one of the seed rule's three passes in an
+    eager step. Compiled, inductor's reductions are fast either way."""
+    if (
+        t.dtype is not torch.bool
+        or t.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or type(t) is not Tensor
+        or t.numel() == 0
+        or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    ):
+        return None
+    return t.view(torch.uint8)
 
 
 def batched(fn: Callable[[], T]) -> T:

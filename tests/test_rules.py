@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -276,3 +277,40 @@ def test_renamed_spellings_warn_and_mean_the_same():
     with pytest.warns(DeprecationWarning, match=re.escape("renamed fg.rules.unchanged()")):
         keep = rules.identity()
     assert keep(group) == rules.unchanged()(group)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_eager_bool_reductions_equal_torch_all_and_any(rows):
+    """funcgrad's rules reduce masks through _rule_base.all_ / any_, which eagerly on
+    the CPU take min / max of the mask's bytes (torch's bool all / any are far
+    slower there): the same as torch's, per row too, on every kind of mask."""
+    from funcgrad import _rule_base as rb
+
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.rand(7, 33, generator=g) < p for p in (0.0, 0.02, 0.5, 0.98, 1.0)] + [
+        (torch.rand(33, 7, generator=g) < 0.9).t(),  # not contiguous
+        (torch.rand(7, 66, generator=g) < 0.9)[:, ::2],  # strided rows
+        torch.ones(7, 1, dtype=torch.bool),
+    ]
+    masks[2][3] = True  # a row all True, among rows that are not
+    masks[3][4] = False
+    for m in masks:
+        assert rb._bytes(m) is not None  # the fast path is what is tested
+        want_all = m.all(dim=-1, keepdim=True) if rows else m.all()
+        want_any = m.any(dim=-1, keepdim=True) if rows else m.any()
+        with rb.rows() if rows else contextlib.nullcontext():
+            got_all, got_any = rb.all_(m), rb.any_(m)
+        assert got_all.dtype == got_any.dtype == torch.bool
+        assert torch.equal(got_all, want_all) and torch.equal(got_any, want_any)
+    empty = torch.zeros(0, dtype=torch.bool)  # torch's answers: all() True, any() False
+    assert rb._bytes(empty) is None
+    assert bool(rb.all_(empty)) and not bool(rb.any_(empty))
+    # under vmap the mask is a wrapped tensor: torch's own reductions
+    wrapped = []
+
+    def per_row(t):
+        wrapped.append(rb._bytes(t) is None)
+        return rb.all_(t)
+
+    assert torch.equal(torch.func.vmap(per_row)(masks[2]), masks[2].all(dim=-1))
+    assert wrapped == [True]
