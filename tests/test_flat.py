@@ -411,6 +411,29 @@ def test_low_precision_flat_equals_per_tensor() -> None:
         assert_trees_close(dict(pa), dict(pb))
 
 
+def test_compiled_low_precision_rules_the_per_name_gradients(monkeypatch) -> None:
+    """In bfloat16 and float16, the compiled flat step rules each group on the
+    per-name gradients too (their dtype is their buffer's), with the same values as
+    the compiled per-tensor step and the eager flat step."""
+    seen = PARTS_SEEN
+    monkeypatch.setattr(Flat, "_parts_in", _parts_spy)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch._dynamo.reset()
+        seen.clear()
+        runs = {}
+        for key, compile, layout in (("compiled", AOT, fg.params), ("eager", False, fg.params),
+                                     ("per tensor", AOT, per_tensor)):  # fmt: skip
+            m = mlp(dtype)
+            runs[key] = train(m, layout(m), seed_tx(m), compile=compile)
+            if key == "compiled":  # both groups (and monitor's) read the per-name gradients
+                assert {("0.weight", "0.bias"), ("2.weight", "2.bias")} <= set(seen)
+        (pc, sc), (pe, se), (pt, st) = runs["compiled"], runs["eager"], runs["per tensor"]
+        assert all(t.dtype == dtype for t in pc.values())
+        for want, state in ((dict(pe), se), (pt, st)):
+            assert_trees_close(dict(pc), want)
+            assert_trees_close(sc.inner_states[2], state.inner_states[2])
+
+
 def test_frozen_tied_and_single_parameter() -> None:
     emb = nn.Embedding(5, 4)
     head = nn.Linear(4, 5, bias=False)
