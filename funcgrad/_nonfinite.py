@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ._base import GradientTransformation, Params, State, check_state, params_device, shardable
 from ._invariants import invariants
-from ._rule_base import any_of
 from ._tree import tree_map
+from .rules import any_nonfinite
 
 
 class SkipIfNonfiniteState(NamedTuple):
@@ -45,6 +45,8 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
             f"fg.skip_if_nonfinite: wraps a GradientTransformation, got {type(tx).__name__}."
         )
 
+    nonfinite = any_nonfinite()  # its masks reduced through _rule_base.any_ (fast eagerly)
+
     def init(params: Params) -> SkipIfNonfiniteState:
         device = params_device(params)
         return SkipIfNonfiniteState(
@@ -57,8 +59,7 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
         grads: Params, state: SkipIfNonfiniteState, params: Params | None = None
     ) -> tuple[Params, SkipIfNonfiniteState]:
         check_state(state, SkipIfNonfiniteState, "fg.skip_if_nonfinite")
-        flags = [torch.isfinite(g).logical_not().any() for g in grads.values()]
-        ok = ~any_of(flags) if flags else torch.ones_like(state.last_finite)
+        ok = ~nonfinite(grads) if len(grads) else torch.ones_like(state.last_finite)
         updates, inner = tx.update(grads, state.inner, params)
         updates = {k: torch.where(ok, u, torch.zeros_like(u)) for k, u in updates.items()}
         return updates, SkipIfNonfiniteState(
