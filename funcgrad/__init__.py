@@ -40,6 +40,8 @@ from ._dist import all_reduce_mean as all_reduce_mean
 from ._flat import Flat as Flat
 from ._groups import Groups as Groups
 from ._groups import group_by_module as group_by_module
+from ._hparams import get_lr as get_lr
+from ._hparams import set_lr as set_lr
 from ._lion import LionState as LionState
 from ._lion import lion as lion
 from ._migrate import adam_state_from_torch as adam_state_from_torch

@@ -26,7 +26,7 @@ rank takes the global step.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ class AdafactorState(NamedTuple):
     row_var: dict[str, Tensor]
     col_var: dict[str, Tensor]
     variance: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
 invariants(
@@ -56,6 +57,7 @@ invariants(
     row_var="finite nonnegative",
     col_var="finite nonnegative",
     variance="finite nonnegative",
+    lr="finite nonnegative",
 )
 
 

@@ -47,11 +47,11 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
-    LrCell,
     as64,
     check_lr,
     check_number,
-    lr_at,
+    lr_now,
+    lr_start,
     mask_resolver,
 )
 from ._invariants import invariants
@@ -69,6 +69,7 @@ class AdamState(NamedTuple):
     mu: dict[str, Tensor]
     nu: dict[str, Tensor]
     nu_max: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
 invariants(
@@ -77,6 +78,7 @@ invariants(
     mu="finite",
     nu="finite nonnegative",
     nu_max="finite nonnegative",
+    lr="finite nonnegative",
 )
 
 
@@ -151,17 +153,18 @@ def _adam(
         isinstance(x, Tensor) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay)
     )
     decays = mask_resolver(mask, f"fg.{name}")
-    lr_cell = LrCell(lr)  # read at each update: fg.Optimizer's param group drives it
 
     def init(params: Params) -> AdamState:
         check_floating(params, f"fg.{name}.init")
         decays(params)  # a mask for other parameters fails here, not at the first step
+        count = torch.zeros((), dtype=torch.int64, device=params_device(params))
         return AdamState(
-            count=torch.zeros((), dtype=torch.int64, device=params_device(params)),
+            count=count,
             # fg.params(model)'s flat layout gives flat moments (funcgrad/_flat.py)
             mu=flat.zeros_like(params),
             nu=flat.zeros_like(params),
             nu_max=flat.zeros_like(params) if amsgrad else {},
+            lr=lr_start(lr, count),  # the learning rate is state: fg.Optimizer writes it
         )
 
     def update(
@@ -184,7 +187,7 @@ def _adam(
         count = state.count + 1
         # Schedules see the steps taken so far as a float64 0-d tensor, so that
         # arithmetic like 1 / (1 + count) stays in double precision, like torch's lr.
-        lr_t = lr_at(lr_cell.value, state.count)
+        lr_t = lr_now(lr, state.lr, state.count)
         scalars = _bias_scalars(count, lr_t, hp.b1, hp.b2)
         step_size, inv_bc2_sqrt = scalars[0], scalars[1]
         lr_decay = lr_t * hp.weight_decay
@@ -206,7 +209,7 @@ def _adam(
             out: tuple[Any, ...] = path(*(args if layout is None else _as_views(*args)), *per_step)
             if layout is not None:
                 out = tuple(flat.pack(o, layout) if o else o for o in out)
-            return out[0], AdamState(count, *out[1:])
+            return out[0], AdamState(count, *out[1:], lr=state.lr)
         wrapped = AdamState(
             state.count,
             *(flat.by_buffer(t) if t else {} for t in (state.mu, state.nu, state.nu_max)),
@@ -219,13 +222,11 @@ def _adam(
             *per_step,
         )
         back = tuple(flat.from_buffers(o, layout) if o else {} for o in out)
-        return back[0], AdamState(count, *back[1:])
+        return back[0], AdamState(count, *back[1:], lr=state.lr)
 
     # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
     # pieces do not keep (fg.sharded then splits by rows)
-    return shardable(
-        has_lr(GradientTransformation(init, update), lr_cell), by_entry=not callable(mask)
-    )
+    return shardable(has_lr(GradientTransformation(init, update), lr), by_entry=not callable(mask))
 
 
 def _leaves(*trees: Mapping[str, Tensor] | None) -> list[Tensor]:

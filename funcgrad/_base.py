@@ -124,10 +124,11 @@ class _Facts:
     averages: bool = False
     """Is or contains ``fg.all_reduce_mean`` (``fg.sharded``, which averages itself, refuses it)."""
     parts: tuple[GradientTransformation, ...] = ()
-    """The transformations it wraps (``chain``, ``partition``, ...), for :func:`lr_cells`."""
+    """The transformations it wraps (``chain``, ``partition``, ...), for :func:`learning_rates`."""
     lr: Any = None
-    """The learning-rate cell it reads (an optimizer), which ``fg.Optimizer`` exposes as
-    ``param_groups[i]["lr"]`` for torch schedulers."""
+    """The learning rate it was built with (an optimizer: a float, a 0-d tensor or a
+    schedule), read by ``fg.Optimizer`` to start its param group's ``"lr"``. Never
+    written after the build: the learning rate in use is the optimizer state's ``lr``."""
 
 
 _FACTS: weakref.WeakKeyDictionary[Any, _Facts] = weakref.WeakKeyDictionary()
@@ -145,22 +146,30 @@ def _facts(tx: GradientTransformation) -> _Facts:
     return facts
 
 
-def has_lr(tx: GradientTransformation, cell: Any) -> GradientTransformation:
-    """Record that ``tx`` (an optimizer) reads its learning rate from ``cell`` (a
-    ``funcgrad._hparams.LrCell``). Returns ``tx``."""
+def has_lr(tx: GradientTransformation, lr: Any) -> GradientTransformation:
+    """Record that ``tx`` is an optimizer built with learning rate ``lr``. Returns ``tx``."""
     if not torch.compiler.is_compiling():
-        _facts(tx).lr = cell
+        _facts(tx).lr = lr
     return tx
 
 
-def lr_cells(tx: GradientTransformation) -> list[Any]:
-    """The learning-rate cells of every optimizer inside ``tx``, in order (through
-    ``chain``, ``named_chain``, ``partition``, ``accumulate``, ``skip_if_nonfinite``)."""
+def wraps(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
+    """Record that ``tx`` wraps ``parts`` (for :func:`learning_rates`), without declaring
+    it shardable. Returns ``tx``."""
+    if not torch.compiler.is_compiling():
+        _facts(tx).parts = parts
+    return tx
+
+
+def learning_rates(tx: GradientTransformation) -> list[Any]:
+    """The learning rates every optimizer inside ``tx`` was built with, in order
+    (through ``chain``, ``named_chain``, ``partition``, ``accumulate``,
+    ``skip_if_nonfinite``, ``sharded``): the order of their states in ``tx.init``'s."""
     out: list[Any] = []
 
     def walk(t: GradientTransformation) -> None:
         facts = _FACTS.get(t.update, _Facts())
-        if facts.lr is not None and all(c is not facts.lr for c in out):
+        if facts.lr is not None:
             out.append(facts.lr)
         for part in facts.parts:
             walk(part)

@@ -269,7 +269,9 @@ class Flat(Mapping[str, Tensor]):
         read from that cache (cached views would become extra, aliased graph inputs:
         slower guards and runtime wrappers)."""
         compiling = torch.compiler.is_compiling()
-        if self._views is not None and not compiling:
+        # The cache is not read while tracing: dynamo would guard on whether it is
+        # filled, and a step's output (not yet viewed) would recompile the step.
+        if not compiling and self._views is not None:
             return dict(self._views)
         out = {
             n: _view(self.buffers[b], o, s)

@@ -121,15 +121,27 @@ def check_lr(lr: LearningRate) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
-class LrCell:
-    """An optimizer's learning rate, read at every update (not captured once), so that
-    :class:`funcgrad.Optimizer` can hand it the learning rate of its param group: a
-    ``torch.optim.lr_scheduler`` then drives it (funcgrad/_optimizer.py)."""
+def lr_start(lr: LearningRate, like: Tensor) -> Tensor:
+    """An optimizer state's ``lr`` field as :func:`init` makes it, a float64 0-d tensor
+    beside ``like``: a float learning rate itself (the state then *is* the learning
+    rate, as optax's ``inject_hyperparams`` keeps it), 1.0 for a 0-d tensor or a
+    schedule (the state then holds a factor that multiplies it). ``fg.Optimizer``
+    writes its param group's lr into its own state's field; nothing is written into
+    ``tx``, so one ``tx`` may serve any number of optimizers, steps and ranks."""
+    value = 1.0 if isinstance(lr, Tensor) or callable(lr) else float(lr)
+    return torch.tensor(value, dtype=torch.float64, device=like.device)
 
-    __slots__ = ("__weakref__", "value")
 
-    def __init__(self, value: LearningRate) -> None:
-        self.value = value
+def lr_now(lr: LearningRate, state_lr: Tensor | None, count: Tensor) -> Tensor:
+    """The learning rate of the step after ``count`` steps (float64, 0-d): the state's
+    ``lr`` for a float learning rate, else ``lr_at(lr, count)`` times the state's
+    factor. A state built by hand without the field (``lr=None``) uses ``lr`` as given."""
+    if state_lr is None:
+        return lr_at(lr, count)
+    state_lr = state_lr.to(device=count.device, dtype=torch.float64)
+    if isinstance(lr, Tensor) or callable(lr):
+        return lr_at(lr, count) * state_lr
+    return state_lr
 
 
 def lr_at(lr: LearningRate, count: Tensor) -> Tensor:
@@ -149,3 +161,89 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def hyper(x: Hyper) -> Hyper:
     """A hyperparameter as stored: a tensor as given, a number as a Python float."""
     return x if isinstance(x, Tensor) else float(x)
+
+
+def slot_fields(state_type: type) -> tuple[str, ...]:
+    """An optimizer state's per-tensor fields: those after ``count``, less ``lr``."""
+    return tuple(f for f in state_type._fields[1:] if f != "lr")  # type: ignore[attr-defined]
+
+
+def is_optimizer_state(x: object) -> bool:
+    """A funcgrad optimizer's state: a NamedTuple whose fields start with ``count``
+    and include ``lr`` (``AdamState``, ``SGDState``, ...)."""
+    fields = getattr(type(x), "_fields", ())
+    return isinstance(x, tuple) and bool(fields) and fields[0] == "count" and "lr" in fields
+
+
+def optimizer_states(state: object) -> list[object]:
+    """Every optimizer state inside ``state`` (through NamedTuples, tuples, lists and
+    dicts), in the order :func:`with_optimizer_states` takes replacements."""
+    out: list[object] = []
+    _walk_states(state, lambda s: out.append(s) or s)
+    return out
+
+
+def with_optimizer_states(state: object, new: list[object]) -> object:
+    """``state`` with its optimizer states replaced, in :func:`optimizer_states`' order."""
+    it = iter(new)
+    out = _walk_states(state, lambda s: next(it))
+    return out
+
+
+def _walk_states(x: object, fn: Callable[[object], object]) -> object:
+    if is_optimizer_state(x):
+        return fn(x)
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return type(x)(*(_walk_states(c, fn) for c in x))
+    if type(x) in (tuple, list):
+        return type(x)(_walk_states(c, fn) for c in x)  # type: ignore[call-arg]
+    if type(x) is dict:
+        return {k: _walk_states(v, fn) for k, v in x.items()}  # type: ignore[attr-defined]
+    return x
+
+
+def get_lr(state: object) -> list[float]:
+    """The ``lr`` field of every optimizer state inside ``state``, in order.
+
+    For an optimizer built with a float learning rate, the field is the learning rate
+    the next step uses; for a schedule or a 0-d tensor learning rate, the factor that
+    multiplies it (1.0 unless changed). The learning rate is state, not part of ``tx``.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.chain(fg.clip_by_global_norm(1.0), fg.adam(lr=0.01))
+        >>> fg.get_lr(tx.init({"w": torch.zeros(2)}))
+        [0.01]
+    """
+    return [float(s.lr) for s in optimizer_states(state) if s.lr is not None]  # type: ignore[attr-defined]
+
+
+def set_lr(state: object, lr: float | Tensor | list[float | Tensor]) -> object:
+    """``state`` with the ``lr`` field of its optimizer states replaced (a new state;
+    the given one is not changed): one value for all, or a list, one per optimizer
+    state in :func:`get_lr`'s order. See :func:`get_lr` for what the field means.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.adam(lr=0.01)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = fg.set_lr(tx.init(params), 0.001)
+        >>> fg.get_lr(state)
+        [0.001]
+        >>> fg.apply_updates(params, tx.update({"w": torch.ones(2)}, state, params)[0])["w"]
+        tensor([-0.0010, -0.0010])
+    """
+    old = optimizer_states(state)
+    values = list(lr) if isinstance(lr, (list, tuple)) else [lr] * len(old)
+    if len(values) != len(old):
+        raise ValueError(
+            f"fg.set_lr: the state holds {len(old)} optimizer states, got {len(values)} "
+            "learning rates; pass one value for all, or one per optimizer (fg.get_lr's order)."
+        )
+    new = []
+    for s, v in zip(old, values, strict=True):
+        check_lr(v if isinstance(v, Tensor) else float(v))
+        like = s.count  # type: ignore[attr-defined]
+        t = as64(v, like).detach().reshape(()) if isinstance(v, Tensor) else as64(float(v), like)
+        new.append(s._replace(lr=t))  # type: ignore[attr-defined]
+    return with_optimizer_states(state, new)

@@ -11,7 +11,7 @@ set by ``lr`` alone, so Lion takes a learning rate 3-10x smaller than AdamW's.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,9 +28,10 @@ class LionState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
-invariants(LionState, count="nonnegative", mu="finite")
+invariants(LionState, count="nonnegative", mu="finite", lr="finite nonnegative")
 
 
 def lion(

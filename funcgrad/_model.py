@@ -52,6 +52,13 @@ def params(model: nn.Module) -> Params:
         >>> sorted(p), p["weight"].data_ptr() == model.weight.data_ptr()
         (['bias', 'weight'], True)
     """
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "fg.params(model) was called inside a torch.compile'd function. It moves the "
+            "module's parameters into flat buffers (a one-time change of the module, "
+            "which a traced graph cannot make); call it once outside and pass the result "
+            "in: params = fg.params(model); compiled(params, ...)."
+        )
     named = {name: p for name, p in model.named_parameters() if p.requires_grad}
     out = {name: p.detach() for name, p in named.items()}
     check_floating(out, "fg.params")
@@ -81,7 +88,10 @@ def buffers(model: nn.Module) -> dict[str, Tensor]:
 def _walk(model: nn.Module) -> tuple[set[str], set[str], list[Tensor]]:
     """In one pass over the modules: every parameter name (tied aliases included), the
     trainable names as ``named_parameters()`` gives them (a tied parameter under its
-    first name), and the buffers (each once)."""
+    first name), and the buffers (each once; none while traced, where ``id()`` of a
+    buffer would guard the graph on the very tensor objects given, and a step that
+    returns new buffers would recompile)."""
+    traced = torch.compiler.is_compiling()
     every: set[str] = set()
     trainable: set[str] = set()
     seen: set[int] = set()
@@ -96,7 +106,7 @@ def _walk(model: nn.Module) -> tuple[set[str], set[str], list[Tensor]]:
                 seen.add(id(p))
                 if p.requires_grad:
                     trainable.add(dot + n)
-        for b in module._buffers.values():
+        for b in () if traced else module._buffers.values():
             if b is not None:
                 bufs.setdefault(id(b), b)
     return every, trainable, list(bufs.values())

@@ -21,7 +21,7 @@ all-gather of the momentum per matrix) and every rank keeps its rows of the resu
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,9 +39,10 @@ class MuonState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     momentum_buffer: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
-invariants(MuonState, count="nonnegative", momentum_buffer="finite")
+invariants(MuonState, count="nonnegative", momentum_buffer="finite", lr="finite nonnegative")
 
 _RATIOS = (None, "original", "match_rms_adamw")
 

@@ -44,7 +44,15 @@ from ._base import (
 )
 from ._compose import composing
 from ._fusion import realize
-from ._hparams import DecayMask, LearningRate, LrCell, compute_dtype, lr_at, mask_resolver
+from ._hparams import (
+    DecayMask,
+    LearningRate,
+    compute_dtype,
+    lr_now,
+    lr_start,
+    mask_resolver,
+    slot_fields,
+)
 from ._scratch import BIG, Scratch, borrowing
 
 Scalars = dict[str, Tensor]
@@ -156,15 +164,15 @@ class Spec(NamedTuple):
 
 def build(spec: Spec) -> GradientTransformation:
     """The transformation of ``spec`` (see the module docstring)."""
-    who, fields = spec.who, spec.state._fields[1:]
+    who, fields = spec.who, slot_fields(spec.state)
     decays = mask_resolver(spec.mask, who)
-    lr = LrCell(spec.lr)
 
     def init(params: Params) -> Any:
         check_floating(params, f"{who}.init")
         decays(params)  # a mask for other parameters fails here, not at the first step
         count = torch.zeros((), dtype=torch.int64, device=params_device(params))
-        return spec.state(count, *(_start(spec, f, params) for f in fields))
+        slots = (_start(spec, f, params) for f in fields)
+        return spec.state(count, *slots, lr=lr_start(spec.lr, count))
 
     def update(grads: Params, state: Any, params: Params | None = None) -> tuple[Params, Any]:
         check_state(state, spec.state, who)
@@ -176,7 +184,7 @@ def build(spec: Spec) -> GradientTransformation:
             )
         decay = decays(params) if spec.has_decay and params is not None else {}
         count = state.count + 1
-        s64 = spec.scalars(count, lr_at(lr.value, state.count))
+        s64 = spec.scalars(count, lr_now(spec.lr, state.lr, state.count))
         slots = {f: getattr(state, f) for f in spec.slots}
         layout = flat.layout_of(grads, params, *slots.values())
         per_buffer = (
@@ -208,9 +216,9 @@ def build(spec: Spec) -> GradientTransformation:
             )
             keep = layout if spec.elementwise else None  # state stays in its layout
             updates, moved = out, {f: flat.like(t, keep) for f, t in new.items()}
-        return updates, spec.state(count, *(moved.get(f, {}) for f in fields))
+        return updates, spec.state(count, *(moved.get(f, {}) for f in fields), lr=state.lr)
 
-    return has_lr(GradientTransformation(init, update), lr)
+    return has_lr(GradientTransformation(init, update), spec.lr)
 
 
 def _start(spec: Spec, field: str, params: Params) -> Any:
@@ -235,7 +243,7 @@ def _views(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def _check_names(spec: Spec, state: Any, grads: Params) -> None:
     """The state's slots cover exactly the gradients' names, with the options in use."""
-    fields = spec.state._fields[1:]
+    fields = slot_fields(spec.state)
     on = [f for f in fields if f in spec.slots]
     stray = [f for f in fields if f not in spec.slots and getattr(state, f)]
     named: set[str] = set()

@@ -6,16 +6,18 @@ Face ``Trainer(optimizers=...)``). ``step()`` reads the ``.grad`` of every train
 parameter, runs ``tx.update`` on the named gradients (rules, ``monitor``, the
 optimizer: what ``fg.make_step`` runs) and adds the updates to the parameters in place.
 
-The learning rate: every optimizer inside ``tx`` reads its learning rate at each
-update from a cell (``funcgrad._hparams.LrCell``), and ``fg.Optimizer`` takes the
-cells over. It has one param group, whose ``"lr"`` starts at the first optimizer's
-learning rate; each step copies it into a float64 0-d tensor and every optimizer reads
-``group_lr * (own_lr / first_lr)`` (exactly ``group_lr`` for the first), so a torch
-scheduler that writes ``param_groups[0]["lr"]`` drives all of them, keeping their
-ratios. A 0-d tensor learning rate in ``tx`` becomes the group's ``"lr"`` itself
-(schedulers edit it in place, so ``torch.compile(opt.step)`` does not recompile). A
-funcgrad schedule inside ``tx`` keeps deciding: then the group's ``"lr"`` starts at
-1.0 and multiplies it (a torch scheduler scales the funcgrad schedule).
+The learning rate: every optimizer inside ``tx`` keeps its learning rate in its own
+state (``state.lr``: the float learning rate itself, or the factor of a schedule or a
+0-d tensor; funcgrad/_hparams.py), and ``tx`` holds none: one ``tx`` may serve any
+number of ``fg.Optimizer`` s and ``fg.make_step`` s. ``fg.Optimizer`` has one param
+group, whose ``"lr"`` starts at the first optimizer's learning rate; before each step
+it writes ``group_lr * (own_lr / first_lr)`` into each optimizer's ``lr`` in *its own*
+state (exactly ``group_lr`` for the first), so a torch scheduler that writes
+``param_groups[0]["lr"]`` drives all of them, keeping their ratios. A 0-d tensor
+learning rate in ``tx`` becomes the group's ``"lr"`` itself (schedulers edit it in
+place, so ``torch.compile(opt.step)`` does not recompile). A funcgrad schedule inside
+``tx`` keeps deciding: then the group's ``"lr"`` starts at 1.0 and multiplies it (a
+torch scheduler scales the funcgrad schedule).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _flat as flat
-from ._base import GradientTransformation, Params, State, lr_cells
-from ._state import load_state_dict, state_dict
+from ._base import GradientTransformation, Params, State, learning_rates
+from ._hparams import optimizer_states, with_optimizer_states
+from ._state import load, state_dict
 from ._tree import tree_map
 
 _KEY = "funcgrad"
@@ -74,8 +77,7 @@ class Optimizer(torch.optim.Optimizer):
             )
         named = _named(model_or_named_parameters, who)
         self._core = _Core(tx, named)
-        lr = _take_over(lr_cells(tx), self._core)
-        super().__init__([p for _, p in named], {"lr": lr})
+        super().__init__([p for _, p in named], {"lr": self._core.start})
 
     @property
     def tx(self) -> GradientTransformation:
@@ -133,7 +135,7 @@ class Optimizer(torch.optim.Optimizer):
                 f"{list(saved.get('names', []))[:6]}..., not this optimizer's "
                 f"{names[:6]}...; build the model and the optimizer as when saving."
             )
-        new_state = load_state_dict(self.tx, self._core.params, saved["state"])
+        new_state = load(self.tx, self._core.params, saved["state"], report_lr=False)
         torch_part = {k: v for k, v in state_dict.items() if k != _KEY}
         groups = torch_part.get("param_groups")
         if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
@@ -175,17 +177,39 @@ class _Core:
             self.params = data
         self.dtensors = any(hasattr(p, "placements") for _, p in named)  # FSDP2
         self.state: State = self.reduced(tx.init(self.params))
-        self.lr: Any = 0.0  # the group's lr of the current step: tx's optimizers read it
+        self.start, self._ratios, self._live = _group_lr(tx, self.state)
 
     def reduced(self, state: State) -> State:
         return tree_map(_reduced, state) if self.dtensors else state
+
+    def _with_lr(self, lr: Any) -> State:
+        """This optimizer's state with the group's ``lr`` written into each optimizer's
+        ``lr`` field (``lr * ratio``; under a tensor first learning rate, the factor
+        ``lr / that tensor``, which is 1.0 while the group's lr is the tensor itself)."""
+        if not self._ratios:
+            return self.state
+        old = optimizer_states(self.state)
+        if self._live is not None:
+            scale: Any = 1.0 if lr is self._live else lr / self._live
+        else:
+            scale = lr
+        new = []
+        for s, ratio in zip(old, self._ratios, strict=True):
+            value = scale * ratio if ratio != 1.0 else scale
+            t = s.lr  # type: ignore[attr-defined]
+            if isinstance(value, Tensor):
+                value = value.detach().to(device=t.device, dtype=torch.float64).reshape(())
+            else:
+                value = torch.tensor(float(value), dtype=torch.float64, device=t.device)
+            new.append(s._replace(lr=value))  # type: ignore[attr-defined]
+        return with_optimizer_states(self.state, new)
 
     def run(self, lr: Any, parameters: list[Tensor]) -> None:
         # Read, never copied: under torch.compile(opt.step) a tensor written in place and
         # then read through another reference is read stale (torch 2.13). A tensor lr,
         # edited in place by a scheduler, compiles once; a float lr is a constant of the
         # graph (a new value recompiles, as in torch.optim).
-        self.lr = lr
+        self.state = self._with_lr(lr)
         grads = self._grads([p.grad for p in parameters])
         params = dict(zip(self.names, parameters, strict=True))
         updates, state = self.tx.update(grads, self.state, params)
@@ -234,52 +258,19 @@ def _named(
     return out
 
 
-def _is_schedule(lr: Any) -> bool:
-    return callable(lr) and not isinstance(lr, Tensor)
-
-
-def _take_over(cells: list[Any], core: _Core) -> Any:
-    """Point every learning-rate cell at the group's lr (``core.lr``, set at each step),
-    scaled by its own ratio to the first optimizer's; return the group's starting lr."""
-    if not cells:
-        return 0.0
-    first = cells[0].value
-    start: Any = 1.0 if _is_schedule(first) else first
-    base = float(first.detach()) if isinstance(first, Tensor) else float(start)
-    base = base or 1.0  # a first lr of 0: the others keep their own values
-    for i, cell in enumerate(cells):
-        own = cell.value
-        if _is_schedule(own):
-            cell.value = _scaled(own, core, base)
-        elif i == 0:
-            cell.value = _group_lr(core)
-        else:
-            value = float(own.detach()) if isinstance(own, Tensor) else float(own)
-            cell.value = _scaled(_constant(value), core, base)
-    return start
-
-
-def _group_lr(core: _Core) -> Callable[[Tensor], Any]:
-    def group_lr(count: Tensor) -> Any:
-        return core.lr
-
-    return group_lr
-
-
-def _constant(value: float) -> Callable[[Tensor], float]:
-    def constant(count: Tensor) -> float:
-        return value
-
-    return constant
-
-
-def _scaled(schedule: Callable[[Tensor], Any], core: _Core, base: float) -> Callable[[Tensor], Any]:
-    """``count -> schedule(count) * group_lr / base``: a fixed function (no recompiles)."""
-
-    def scaled(count: Tensor) -> Any:
-        return schedule(count) * (core.lr / base)
-
-    return scaled
+def _group_lr(tx: GradientTransformation, state: State) -> tuple[Any, list[float], Any]:
+    """The group's starting ``"lr"``, each optimizer's ratio to the first one's
+    (``own_lr / first_lr``, read from ``tx.init``'s state: exactly 1.0 for the first),
+    and the first optimizer's 0-d tensor learning rate if it has one (the group's lr is
+    then that tensor, and the first optimizer's factor stays 1.0 while it is)."""
+    own = [float(s.lr) for s in optimizer_states(state)]  # type: ignore[attr-defined]
+    if not own:
+        return 0.0, [], None
+    built = learning_rates(tx)
+    live = built[0] if len(built) == len(own) and isinstance(built[0], Tensor) else None
+    base = own[0] or 1.0  # a first lr of 0: the others keep their own values
+    ratios = [o / base for o in own]
+    return (live if live is not None else own[0]), ratios, live
 
 
 def _reduced(t: Any) -> Any:

@@ -20,7 +20,7 @@ Adagrad, with step :math:`t` (1-based)::
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ class RMSpropState(NamedTuple):
     square_avg: dict[str, Tensor]
     momentum_buffer: dict[str, Tensor]
     grad_avg: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
 class AdagradState(NamedTuple):
@@ -49,6 +50,7 @@ class AdagradState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]
     sum: dict[str, Tensor]  # type: ignore[assignment]  # shadows nothing callable here
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
 invariants(
@@ -57,8 +59,9 @@ invariants(
     square_avg="finite nonnegative",
     momentum_buffer="finite",
     grad_avg="finite",
+    lr="finite nonnegative",
 )
-invariants(AdagradState, count="nonnegative", sum="finite nonnegative")
+invariants(AdagradState, count="nonnegative", sum="finite nonnegative", lr="finite nonnegative")
 
 
 def _check_decay(weight_decay: Hyper) -> None:

@@ -15,7 +15,7 @@ gradient into the buffer, as torch does: the state's ``count`` says which step i
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,9 +32,10 @@ class SGDState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     momentum_buffer: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (funcgrad._hparams.lr_start)
 
 
-invariants(SGDState, count="nonnegative", momentum_buffer="finite")
+invariants(SGDState, count="nonnegative", momentum_buffer="finite", lr="finite nonnegative")
 
 
 def nonzero(x: Hyper) -> bool:

@@ -51,6 +51,7 @@ from ._base import (
     is_by_entry,
     is_shardable,
     params_device,
+    wraps,
 )
 from ._compose import refuse_transforms
 from ._dist import by_dtype, initialized
@@ -636,7 +637,7 @@ def sharded(
             updates, inner = tx.update(rows, state.inner, local_params)
         return ranks.gather(updates), type(state)(inner)
 
-    return GradientTransformation(init, update)
+    return wraps(GradientTransformation(init, update), tx)
 
 
 def _key(layout: Layout) -> tuple[Any, ...]:

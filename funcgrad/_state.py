@@ -12,6 +12,7 @@ mismatch (another transformation, another model, another shape or dtype) is name
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -156,6 +157,26 @@ def load_state_dict(
         ...
         KeyError: "fg.load_state_dict: the checkpoint does not match tx.init(params): ...
     """
+    return load(tx, params, state_dict, report_lr=True)
+
+
+def _is_lr(accessor: Any) -> bool:
+    """The path of an optimizer state's ``lr`` field (``state.inner_states[1].lr``)."""
+    if not len(accessor):
+        return False
+    last = accessor[-1]
+    return (
+        optree.is_namedtuple_class(last.type)
+        and last.type._fields[last.entry] == "lr"  # type: ignore[attr-defined]
+        and last.type._fields[0] == "count"  # type: ignore[attr-defined]
+    )
+
+
+def load(
+    tx: GradientTransformation, params: Params, state_dict: Mapping[str, Any], report_lr: bool
+) -> State:
+    """:func:`load_state_dict`; ``report_lr=False`` for ``fg.Optimizer``, whose param
+    group's lr (restored with it) overwrites the optimizers' ``lr`` at every step."""
     template = tx.init(params)
     cut = None
     if isinstance(template, ShardedState):  # check and load whole, then keep our rows
@@ -168,6 +189,13 @@ def load_state_dict(
     else:
         saved_root = state_dict
     saved = {p: (kind, v) for p, kind, v in _saved(saved_root, "state")}
+    # A checkpoint written before the learning rate was state has no ``lr``: it starts
+    # as tx.init makes it (the code's learning rate).
+    pairs = zip(accessors, leaves, strict=True)
+    lr_paths = {a.codify("state"): leaf for a, leaf in pairs if _is_lr(a)}
+    for path, leaf in lr_paths.items():
+        if path not in saved and path.rsplit(".", 1)[0] in saved:
+            saved[path] = ("leaf", leaf)
     # Containers first: a NamedTuple of another type is the clearest message.
     for accessor in accessors:
         for depth, entry in enumerate(accessor):
@@ -202,6 +230,15 @@ def load_state_dict(
                     f"{tuple(want.shape)} {want.dtype}.{_HINT}"
                 )
             value = value.to(device if want.is_meta else want.device).clone()
+            if report_lr and path in lr_paths and not bool((value == want).all()):
+                warnings.warn(
+                    f"fg.load_state_dict: the checkpoint's learning rate at {path} is "
+                    f"{float(value):.6g}, tx's is {float(want):.6g} (a factor of 1.0 for a "
+                    "schedule or a tensor learning rate). The checkpoint's is restored: the "
+                    "learning rate is part of the state. To train with tx's, replace it: "
+                    f"state = fg.set_lr(state, fg.get_lr(tx.init(params))).",
+                    stacklevel=3,
+                )
             if hasattr(want, "placements"):  # a DTensor state (FSDP2): this rank's shard
                 from torch.distributed.tensor import distribute_tensor
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import optree
@@ -432,6 +432,7 @@ def make_step(
         run = _eager_step(core, core.gradients, fast)
     checks = Checks(loss_fn, tx, per_sample, donate, buffers)
     compiled = scope == "step"
+    pure_buffers = buffers and not donate and scope in ("step", "gradients")
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if isinstance(params, Flat):
@@ -449,6 +450,15 @@ def make_step(
             checks(params, state, args)
             return core.pure_step(params, state, *args)
         fresh = checks(params, state, args)
+        if pure_buffers and isinstance(args[0], Mapping):
+            # Not donated: the given buffers are not written, and a compiled step sees
+            # the same aliasing on every call (the first call's fg.buffers(model) are
+            # the module's own tensors, later calls' the step's outputs: dynamo guards
+            # on that, and would compile the step twice). A copy of the buffers only.
+            args = (
+                {k: v.clone() if isinstance(v, Tensor) else v for k, v in args[0].items()},
+                *args[1:],
+            )
         try:
             return run(fresh, params, state, *args)
         except Exception as err:

@@ -22,6 +22,7 @@ from . import _flat as flat
 from ._adafactor import AdafactorState
 from ._adam import AdamState
 from ._base import GradientTransformation, State
+from ._hparams import slot_fields
 from ._muon import MuonState
 from ._rmsprop import AdagradState, RMSpropState
 from ._sgd import SGDState
@@ -147,7 +148,7 @@ def _check_twin(node: Any, optimizer: torch.optim.Optimizer, who: str) -> _Twin:
             f"{who}: tx keeps an {type(node).__name__}, whose torch.optim twin is {names}; "
             f"got {type(optimizer).__name__}. Build tx with the same optimizer."
         )
-    on = {f for f in node._fields[1:] if getattr(node, f)}
+    on = {f for f in slot_fields(type(node)) if getattr(node, f)}
     if twin.fields is not None:
         for group in optimizer.param_groups:
             want = twin.fields(group)
@@ -199,7 +200,7 @@ def state_from_torch(
     twin = _check_twin(node, torch_optimizer, who)
     pairs = _pairs(torch_optimizer, params, who)
     by_name = dict(pairs)
-    fields = [f for f in node._fields[1:] if getattr(node, f)]
+    fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
     mine = set().union(*(getattr(node, f).keys() for f in fields)) if fields else set()
     if mine - by_name.keys():
         raise KeyError(
@@ -219,7 +220,8 @@ def state_from_torch(
     device = node.count.device
     fresh = type(node)(
         torch.tensor(n, dtype=torch.int64, device=device),
-        *(new.get(f, {}) for f in node._fields[1:]),
+        *(new.get(f, {}) for f in slot_fields(type(node))),
+        lr=node.lr,
     )
     return _replace(template, path, fresh)
 
@@ -287,7 +289,7 @@ def state_to_torch(
             f"{type(like).__name__}; pass the state tx made."
         )
     twin = _check_twin(node, torch_optimizer, who)
-    fields = [f for f in node._fields[1:] if getattr(node, f)]
+    fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
     # torch's step dtype (torch.optim.optimizer._get_scalar_dtype): float64 only when
     # that is the default dtype.
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

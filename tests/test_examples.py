@@ -214,10 +214,13 @@ def test_exact_zeros_example_shows_the_trap_and_the_tolerance(capsys):
     line = summary_of(text, "exact_zeros")
     assert close(line["attention_atol0"], max(res["attention"]["atol=0"].values()))
     assert close(line["conv_bn_atol1e-12"], max(res["conv+bn"]["atol=1e-12"].values()))
-    for model, tensor in (("attention", "attn.in_proj_bias"), ("conv+bn", "conv.bias")):
-        # Exact-zero tests: the compiled step and eager torch disagree on this tensor ...
-        assert res[model]["atol=0"][tensor] > 1e-3
-        # ... and with a tolerance they agree everywhere.
+    for model, tensor in exact_zeros.TRAPS.items():
+        # Exact-zero tests: whether the compiled step and eager torch disagree on this
+        # tensor depends on the CPU's kernel paths; the example says which it saw ...
+        flipped = res[model]["atol=0"][tensor] > exact_zeros.TRAP
+        said = "showed" if flipped else "did not show"
+        assert f"{model}: the trap {said} on this machine ({tensor}:" in text
+        # ... and with a tolerance they agree everywhere, on every CPU.
         assert max(res[model]["atol=1e-12"].values()) < 1e-9
 
 
