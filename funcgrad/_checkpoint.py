@@ -205,10 +205,26 @@ def load_checkpoint(
                 f"{who}: parameter '{k}' is {describe(s)} in the checkpoint and "
                 f"{describe(live)} here. Was it saved for another model?"
             )
+    _refuse_nonfinite(saved, who)
     state = load_state_dict(tx, params, payload["state"])
     # (into flat params, one cat per buffer of the saved per-name tensors)
     commit(params, like({k: saved[k].to(params[k].device) for k in params}, layout_of(params)))
     return params, state, dict(payload["extra"])
+
+
+def _refuse_nonfinite(tensors: Any, who: str, whose: str = "") -> None:
+    """A NaN or Inf parameter is an error before anything is written (the moments are
+    checked by their invariants): resuming from it would train nothing but NaN."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        if local.numel() and not bool(torch.isfinite(local).all()):
+            raise ValueError(
+                f"{who}: {whose or 'the'} parameter '{name}' holds NaN or Inf values in the "
+                "checkpoint. It was saved after the run had diverged, or was damaged; "
+                "resume from an earlier checkpoint. Nothing was changed."
+            )
 
 
 def _model_and_optimizer(model: Any, opt: Any, who: str) -> tuple[nn.Module, Optimizer]:
@@ -247,9 +263,12 @@ def _load_distributed(
     tree, extra = dckpt.load(root, template, who)
     saved = tree["params"]
     box: list[State] = []
-    dckpt.raise_if_any(
-        dckpt.guarded(lambda: box.append(load_state_dict(tx, params, tree["state"])))
-    )
+
+    def validate() -> None:
+        _refuse_nonfinite(saved, who)
+        box.append(load_state_dict(tx, params, tree["state"]))
+
+    dckpt.raise_if_any(dckpt.guarded(validate))
     commit(params, like({k: saved[k].to(params[k].device) for k in params}, layout_of(params)))
     return params, box[0], dict(extra)
 
@@ -260,7 +279,15 @@ def _load_model_and_optimizer(
     template = {"model": _fresh(model.state_dict()), "opt": _fresh(opt.state_dict())}
     tree, extra = dckpt.load(root, template, who)
     box: list[Any] = []
-    dckpt.raise_if_any(dckpt.guarded(lambda: box.append(opt._prepare(tree["opt"]))))
+
+    def validate() -> None:
+        names = {n for n, _ in model.named_parameters()}  # buffers may hold -inf masks
+        _refuse_nonfinite(
+            {k: v for k, v in tree["model"].items() if k in names}, who, "the model's"
+        )
+        box.append(opt._prepare(tree["opt"]))
+
+    dckpt.raise_if_any(dckpt.guarded(validate))
     with torch.no_grad():
         model.load_state_dict(tree["model"])
     opt._commit(box[0])

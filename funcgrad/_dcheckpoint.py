@@ -134,7 +134,36 @@ def is_distributed_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def save(root: Path, tree: dict[str, Any], extra: dict[str, Any], who: str) -> None:
-    """Save ``tree`` (a DCP state dict) and ``extra`` under ``root`` (collective)."""
+    """Save ``tree`` (a DCP state dict) and ``extra`` under ``root`` (collective).
+
+    A rank that dies (or a collective that fails) at any point is an error on the ranks
+    left that says whether this save was published and which checkpoint is the latest
+    whole one (what ``root/LATEST`` names now), never gloo's bare connection error."""
+    progress: dict[str, str] = {}
+    try:
+        _save(root, tree, extra, who, progress)
+    except RuntimeError as err:  # gloo / NCCL: a peer died mid-collective
+        raise RuntimeError(
+            f"{who}: a collective failed while saving under {str(root)!r} ({_short(err)}), "
+            f"a rank died or lost its connection; {_status(root, progress.get('name'))}. "
+            "Restart every "
+            "rank and resume with fg.load_checkpoint."
+        ) from None
+
+
+def _status(root: Path, name: str | None) -> str:
+    """Whether the save ``name`` was published, and which checkpoint is whole."""
+    now = published(root) if root.is_dir() else None
+    if name is not None and now == name:
+        return f"this save was published ({str(root / now)!r}, whole: LATEST names it)"
+    if now is not None:
+        return f"this save was not published; {str(root / now)!r} is the latest whole checkpoint"
+    return "this save was not published, and no earlier checkpoint was"
+
+
+def _save(
+    root: Path, tree: dict[str, Any], extra: dict[str, Any], who: str, progress: dict[str, str]
+) -> None:
     plan: tuple[str, str | None] | tuple[type[Exception], str] = (FileNotFoundError, "")
     if _rank() == 0:
         try:
@@ -145,6 +174,7 @@ def save(root: Path, tree: dict[str, Any], extra: dict[str, Any], who: str) -> N
     if isinstance(first, type):
         raise first(second)
     name, previous = first, second
+    progress["name"] = name
     sub = root / name
     kept = (
         f"{str(root / previous)!r} is still the checkpoint that fg.load_checkpoint reads"
@@ -218,11 +248,14 @@ def load(root: Path, fresh: dict[str, Any], who: str) -> tuple[dict[str, Any], d
     found: tuple[str | None, Any, str | None] = (None, None, None)
     if _rank() == 0:
         found = _verify(root, who)
+        if found[2] is None:
+            found = (*found[:2], _check_keys(root / str(found[0]), fresh, who))
     name, extra, error = _from_rank0(found)
     if error is not None:
         raise ValueError(error)
     assert name is not None
     sub = root / name
+    _drop_missing_lr(fresh, _saved_keys(sub))
     try:
         with _quiet():
             dcp.load(fresh, storage_reader=dcp.FileSystemReader(sub), no_dist=not initialized())
@@ -233,6 +266,79 @@ def load(root: Path, fresh: dict[str, Any], who: str) -> tuple[dict[str, Any], d
             "transformation? Nothing was changed."
         ) from None
     return fresh, extra
+
+
+def _terminal(value: Any) -> bool:
+    """torch.distributed.checkpoint's rule (``_traverse.traverse_state_dict``, torch
+    2.13-2.14): a dict is walked; a list only when it holds a tensor or a walked
+    container; anything else (a tuple too) is one entry."""
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (dict, list)) and not _terminal(v))
+        for v in value
+    )
+
+
+def _keys(tree: Any, prefix: str = "") -> Iterator[str]:
+    """The keys torch.distributed.checkpoint flattens ``tree`` to (joined with dots,
+    as its metadata names them)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _keys(v, f"{prefix}.{k}" if prefix else str(k))
+    elif _terminal(tree):
+        yield prefix
+    else:
+        for i, v in enumerate(tree):
+            yield from _keys(v, f"{prefix}.{i}")
+
+
+def _saved_keys(sub: Path) -> set[str]:
+    return set(dcp.FileSystemReader(sub).read_metadata().state_dict_metadata)
+
+
+def _old_lr(key: str, saved: set[str]) -> bool:
+    """An optimizer state's ``lr`` that a checkpoint written before the learning rate
+    was state does not hold (its ``count`` is there): it starts as tx.init makes it."""
+    return key.endswith(".lr") and key[: -len("lr")] + "count" in saved
+
+
+def _drop_missing_lr(tree: Any, saved: set[str], prefix: str = "") -> None:
+    if isinstance(tree, dict):
+        for k in list(tree):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k == "lr" and key not in saved and _old_lr(key, saved):
+                del tree[k]
+            else:
+                _drop_missing_lr(tree[k], saved, key)
+
+
+def _check_keys(sub: Path, fresh: dict[str, Any], who: str) -> str | None:
+    """Rank 0: the checkpoint holds exactly the entries of this model and
+    transformation (torch.distributed.checkpoint alone loads a subset model silently,
+    dropping the saved layers that are not there)."""
+    try:
+        saved = _saved_keys(sub)
+    except Exception as err:
+        return f"{who}: {str(sub)!r} has no readable metadata ({_short(err)}); load an earlier one."
+    want = set(_keys(fresh))
+    extra = sorted(saved - want)
+    missing = sorted(k for k in want - saved if not _old_lr(k, saved))
+    if not extra and not missing:
+        return None
+    parts = []
+    if extra:
+        parts.append(f"entries this one does not have: {', '.join(extra[:6])}")
+    if missing:
+        parts.append(f"no entries for: {', '.join(missing[:6])}")
+    more = len(extra) + len(missing) - len(extra[:6]) - len(missing[:6])
+    return (
+        f"{who}: the checkpoint was saved for another model or transformation; it holds "
+        f"{'; and '.join(parts)}{f' (and {more} more)' if more > 0 else ''}. Build the "
+        "model and tx exactly as when saving. Nothing was changed."
+    )
 
 
 def _short(err: BaseException) -> str:
@@ -263,6 +369,18 @@ def _verify(root: Path, who: str) -> tuple[str | None, Any, str | None]:
             (
                 f"{who}: {str(sub)!r} has no readable manifest ({MANIFEST}); the checkpoint "
                 "is damaged. Load an earlier one."
+            ),
+        )
+    unlisted = sorted(set(_files(sub)) - set(files))
+    required = [f for f in (".metadata", EXTRA) if f not in files]
+    if unlisted or required:
+        return (
+            None,
+            None,
+            (
+                f"{who}: the manifest of {str(sub)!r} does not list "
+                f"{', '.join(unlisted + required)}, so those files cannot be verified; the "
+                "checkpoint is damaged or was edited. Load an earlier one."
             ),
         )
     for f, digest in files.items():
