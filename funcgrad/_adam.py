@@ -209,7 +209,7 @@ def _adam(
             out: tuple[Any, ...] = path(*(args if layout is None else _as_views(*args)), *per_step)
             if layout is not None:
                 out = tuple(flat.pack(o, layout) if o else o for o in out)
-            return out[0], AdamState(count, *out[1:], lr=state.lr)
+            return out[0], AdamState(count, out[1], out[2], out[3], lr=state.lr)
         wrapped = AdamState(
             state.count,
             *(flat.by_buffer(t) if t else {} for t in (state.mu, state.nu, state.nu_max)),
@@ -222,7 +222,7 @@ def _adam(
             *per_step,
         )
         back = tuple(flat.from_buffers(o, layout) if o else {} for o in out)
-        return back[0], AdamState(count, *back[1:], lr=state.lr)
+        return back[0], AdamState(count, back[1], back[2], back[3], lr=state.lr)
 
     # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
     # pieces do not keep (fg.sharded then splits by rows)

@@ -5,7 +5,7 @@ compute dtype (torch's "opmath": float16/bfloat16 are computed in float32)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -171,7 +171,7 @@ def slot_fields(state_type: type) -> tuple[str, ...]:
 def is_optimizer_state(x: object) -> bool:
     """A funcgrad optimizer's state: a NamedTuple whose fields start with ``count``
     and include ``lr`` (``AdamState``, ``SGDState``, ...)."""
-    fields = getattr(type(x), "_fields", ())
+    fields: tuple[str, ...] = getattr(type(x), "_fields", ())
     return isinstance(x, tuple) and bool(fields) and fields[0] == "count" and "lr" in fields
 
 
@@ -179,7 +179,12 @@ def optimizer_states(state: object) -> list[object]:
     """Every optimizer state inside ``state`` (through NamedTuples, tuples, lists and
     dicts), in the order :func:`with_optimizer_states` takes replacements."""
     out: list[object] = []
-    _walk_states(state, lambda s: out.append(s) or s)
+
+    def keep(s: object) -> object:
+        out.append(s)
+        return s
+
+    _walk_states(state, keep)
     return out
 
 
@@ -190,15 +195,15 @@ def with_optimizer_states(state: object, new: list[object]) -> object:
     return out
 
 
-def _walk_states(x: object, fn: Callable[[object], object]) -> object:
+def _walk_states(x: Any, fn: Callable[[object], object]) -> Any:
     if is_optimizer_state(x):
         return fn(x)
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
         return type(x)(*(_walk_states(c, fn) for c in x))
     if type(x) in (tuple, list):
-        return type(x)(_walk_states(c, fn) for c in x)  # type: ignore[call-arg]
+        return type(x)(_walk_states(c, fn) for c in x)
     if type(x) is dict:
-        return {k: _walk_states(v, fn) for k, v in x.items()}  # type: ignore[attr-defined]
+        return {k: _walk_states(v, fn) for k, v in x.items()}
     return x
 
 

@@ -75,12 +75,13 @@ def test_ddp_example_runs_on_two_ranks_replicated_and_sharded():
         assert line["ranks"] == "2" and line["sharded"] == str(bool(extra))
         runs[bool(extra)] = out.stdout
     # The same training either way. Adam state for 9,610 float32 parameters: mu + nu =
-    # 75.1 KiB per rank replicated; sharded, each rank holds its half of the rows.
+    # 75.1 KiB per rank replicated (with the 0-d count and lr: 16 bytes); sharded, each rank
+    # holds its half of the rows.
     result = [line for line in runs[True].splitlines() if "loss" in line or "accuracy" in line]
     assert result == [
         line for line in runs[False].splitlines() if "loss" in line or "accuracy" in line
     ]
-    assert "optimizer state (sharded): rank 0: 37.5 KiB, rank 1: 37.5 KiB" in runs[True]
+    assert "optimizer state (sharded): rank 0: 37.6 KiB, rank 1: 37.6 KiB" in runs[True]
     assert "optimizer state (replicated): rank 0: 75.1 KiB, rank 1: 75.1 KiB" in runs[False]
 
 
