@@ -71,7 +71,11 @@ class Layout:
     """
 
     __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes", "starts")
-    _interned: ClassVar[dict[tuple[Any, ...], Layout]] = {}
+    # Weak values: a layout lives while a Flat, a state or a compiled step holds it
+    # (it was a plain dict: every layout ever made stayed, an unbounded strong cache).
+    _interned: ClassVar[weakref.WeakValueDictionary[tuple[Any, ...], Layout]] = (
+        weakref.WeakValueDictionary()
+    )
 
     names: tuple[str, ...]
     entries: tuple[tuple[int, int, tuple[int, ...]], ...]

@@ -67,8 +67,7 @@ def test_a_subset_model_is_refused_by_the_directory_format(tmp_path):
         tmp_path / "ckpt",
         small,
         opt,
-        "the checkpoint was saved for another model or transformation; it holds entries "
-        "this one does not have: model.4.bias, model.4.weight",
+        "the checkpoint was saved for another model or transformation; it holds entries this one does not have: model.4.bias, model.4.weight",
     )
 
 

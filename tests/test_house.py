@@ -45,8 +45,35 @@ def test_every_module_level_state_is_documented():
         "arguments instead, or add a row saying what it holds, who sets it and why."
     )
     listed = {w.strip("`") for w in doc.split() if w.startswith("`funcgrad.")}
-    gone = sorted(w for w in listed if w.count(".") >= 2 and w not in found)
+    # module-level names (funcgrad.<module>.<name>); class attributes: the next test
+    gone = sorted(w for w in listed if w.count(".") == 2 and w not in found)
     assert not gone, f"docs/internals.md lists state that no longer exists: {gone}"
+
+
+def test_every_mutable_class_attribute_is_documented():
+    """Class-level mutable attributes (a cache shared by every instance, e.g.
+    ``Layout._interned``) are hidden state too; NamedTuple's own ``_field_defaults``
+    is not."""
+    import inspect
+
+    doc = (ROOT / "docs" / "internals.md").read_text()
+    found = []
+    for name in _modules():
+        module = importlib.import_module(f"funcgrad.{name}")
+        for cname, cls in vars(module).items():
+            if not inspect.isclass(cls) or cls.__module__ != module.__name__:
+                continue
+            for attr, value in vars(cls).items():
+                if attr.startswith("__") or attr == "_field_defaults":
+                    continue
+                if isinstance(value, MUTABLE):
+                    found.append(f"funcgrad.{name}.{cname}.{attr}")
+    assert "funcgrad._flat.Layout._interned" in found, "the scan no longer sees class attributes"
+    missing = [f for f in found if f"`{f}`" not in doc]
+    assert not missing, (
+        f"mutable class attributes not in docs/internals.md: {missing}. Make them instance "
+        "state or arguments, or add a row saying what they hold and why."
+    )
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -159,7 +159,10 @@ def test_set_lr_and_get_lr():
     updates, _ = tx.update({"w": torch.ones(2, dtype=D), "b": torch.ones(1, dtype=D)}, new, params)
     torch.testing.assert_close(updates["w"], torch.full((2,), -1e-3, dtype=D))
     torch.testing.assert_close(updates["b"], torch.full((1,), -0.05, dtype=D))
-    with pytest.raises(ValueError, match=re.escape("fg.set_lr: the state holds 2 optimizer")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("fg.set_lr: the state holds 2 optimizer states, got 1 learning rates"),
+    ):
         fg.set_lr(state, [1e-3])
     with pytest.raises(ValueError, match=re.escape("Invalid learning rate: -1.0")):
         fg.set_lr(state, -1.0)
