@@ -219,3 +219,30 @@ def test_optimizer_state_dict_round_trip_keeps_the_scheduled_lr():
     got = run(b, opt_b, 2, sched_b)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+def test_set_lr_between_compiled_steps_recompiles_nothing_and_equals_eager():
+    """The lr is a graph input: changing it (fg.set_lr, a schedule of your own written
+    into the state) does not recompile, and the steps equal the eager ones."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    runs = []
+    for compile in (False, {"backend": counter}):
+        model = net(0)
+        tx = fg.chain(
+            fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adamw(lr=1e-2)
+        )
+        step = fg.make_step(
+            lambda p, model=model: fg.call(model, p, X).pow(2).mean(), tx, compile=compile
+        )
+        params = fg.params(model)
+        state = tx.init(params)
+        for i in range(6):
+            state = fg.set_lr(state, 1e-2 / (1 + i))
+            params, state, _ = step(params, state)
+        runs.append(dict(params))
+    assert counter.frame_count == 1
+    for k in runs[0]:
+        torch.testing.assert_close(runs[1][k], runs[0][k], rtol=0, atol=0)
