@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -179,6 +181,8 @@ def compile_scope(compile: bool | str | Mapping[str, Any]) -> tuple[str | None, 
     elif isinstance(compile, str):
         options, scope = {}, compile
     else:
+        if compile:
+            warn_shared_cache(os.environ)
         return ("step", eager_rounding({})) if compile else (None, {})
     if scope not in _SCOPES:
         raise ValueError(
@@ -187,7 +191,31 @@ def compile_scope(compile: bool | str | Mapping[str, Any]) -> tuple[str | None, 
             "forward and backward as one graph; tx runs eagerly), a dict of "
             'torch.compile options (with "scope": "gradients" for the latter), or False.'
         )
+    warn_shared_cache(os.environ)
     return scope, eager_rounding(options)
+
+
+def warn_shared_cache(environ: Mapping[str, str]) -> None:
+    """Warn when ``ATEN_CPU_CAPABILITY`` is set and inductor's on-disk cache is the
+    default one, shared with processes on the CPU's own kernel path.
+
+    torch 2.13's cache does not tell kernels built for one CPU capability from
+    another's: a process on AVX-512 that reads kernels compiled under
+    ``ATEN_CPU_CAPABILITY=avx2`` computes garbage or corrupts its heap (glibc aborts
+    such as ``free(): invalid pointer``; ``benchmarks/repro_inductor_isa_cache.py``
+    reproduces it without funcgrad). Warnings pass a Python's default filter once
+    per place, so this needs no registry of its own."""
+    capability = environ.get("ATEN_CPU_CAPABILITY")
+    if capability and not environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        warnings.warn(
+            f"ATEN_CPU_CAPABILITY={capability} is set and torch.compile's on-disk cache is "
+            "the default one, shared with processes on other kernel paths. torch's cache "
+            "does not tell kernels built for one CPU capability from another's, and a "
+            "process that reads the other's kernels computes wrong values or corrupts its "
+            "heap (benchmarks/repro_inductor_isa_cache.py). Give each capability its own "
+            f"cache: TORCHINDUCTOR_CACHE_DIR=/some/dir/inductor-{capability}.",
+            stacklevel=3,
+        )
 
 
 def eager_rounding(options: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,8 @@ params was 36% of the update away from eager here (docs/compile-notes.md)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -114,3 +116,23 @@ def test_eager_rounding_options():
     out = eager_rounding({"mode": "max-autotune-no-cudagraphs"})
     assert "mode" not in out and out["options"]["emulate_precision_casts"] is True
     assert out["options"]["max_autotune"] is True
+
+
+def test_a_shared_inductor_cache_under_another_cpu_capability_warns():
+    """torch's on-disk cache does not separate kernels by ATEN_CPU_CAPABILITY (a process
+    reading the other's corrupts its heap: benchmarks/repro_inductor_isa_cache.py)."""
+    import warnings
+
+    from funcgrad._checks import warn_shared_cache
+
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            "Give each capability its own cache: TORCHINDUCTOR_CACHE_DIR=/some/dir/inductor-avx2."
+        ),
+    ):
+        warn_shared_cache({"ATEN_CPU_CAPABILITY": "avx2"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_shared_cache({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"})
+        warn_shared_cache({})
