@@ -116,6 +116,41 @@ def test_a_broken_invariant_is_reported_before_any_live_value_changes(tmp_path):
     _load_fails_and_changes_nothing(tmp_path, "never does")
 
 
+def _run_kill(mode: str, tmp_path: Path) -> list:
+    ctx = mp.start_processes(
+        dw.worker, args=(2, free_port(), mode, str(tmp_path)), nprocs=2, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        for p in ctx.processes:
+            p.join(max(1.0, 120.0 - (time.monotonic() - t0)))
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return ctx.processes
+
+
+def test_rank0_killed_after_publishing_tells_the_others_it_was_published(saved, tmp_path):
+    """Before: rank 1 got gloo's bare 'Connection closed by peer'. Now its error says
+    the save was published (LATEST names it) and it loads whole."""
+    root = _copy(saved, tmp_path)
+    before = _published(root).name
+    processes = _run_kill("kill0", tmp_path)
+    assert processes[0].exitcode == 18  # rank 0 died right after publishing
+    latest = _published(root)
+    assert latest.name != before
+    kind, text = torch.load(tmp_path / "kill0-rank1.pt", weights_only=False)["error"]
+    assert kind == "RuntimeError" and "a collective failed while saving" in text, text
+    assert f"this save was published ({str(latest)!r}, whole: LATEST names it)" in text, text
+    spawn(dw.worker, "load", tmp_path, 2, 240.0)
+    for r in _results(tmp_path, "load", 2):
+        assert "error" not in r, r.get("error")
+        assert r["extra"] == {"step": dw.fw.STEPS}
+
+
 def test_a_rank_killed_while_saving_over_the_previous_checkpoint_leaves_it_whole(saved, tmp_path):
     root = _copy(saved, tmp_path)
     before = _published(root).name

@@ -41,11 +41,24 @@ def _die_after_writing() -> None:
     dcp.FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
 
 
+def _die_after_publishing() -> None:
+    """Rank 0 dies once LATEST names the new checkpoint, before telling the others."""
+    from funcgrad import _dcheckpoint
+
+    original = _dcheckpoint._publish
+
+    def publish_then_die(*args):  # type: ignore[no-untyped-def]
+        original(*args)
+        os._exit(18)
+
+    _dcheckpoint._publish = publish_then_die
+
+
 def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=30 if mode == "kill" else 120),
+        timeout=timedelta(seconds=30 if mode.startswith("kill") else 120),
     )  # fmt: skip
     root = os.path.join(out, "ckpt")
     result: dict = {}
@@ -66,10 +79,12 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 with torch.no_grad():
                     opt.tx_state["adamw"].nu["2.weight"].to_local().fill_(-1.0)
             fg.save_checkpoint(root, m, opt, step=2)
-        elif mode == "kill":  # one step, then a save over the published checkpoint
-            fw.train(m, opt, rank, world, range(1))  # during which rank 1 dies
-            if rank == 1:
+        elif mode in ("kill", "kill0"):  # one step, then a save over the published one
+            fw.train(m, opt, rank, world, range(1))  # during which a rank dies
+            if rank == 1 and mode == "kill":
                 _die_after_writing()
+            if rank == 0 and mode == "kill0":
+                _die_after_publishing()
             try:
                 fg.save_checkpoint(root, m, opt, step=fw.STEPS)
             except Exception as err:
@@ -91,5 +106,5 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         torch.save(result, Path(out) / f"{mode}-{world}-rank{rank}.pt")
         dist.barrier()
     finally:
-        if mode != "kill":
+        if not mode.startswith("kill"):
             dist.destroy_process_group()
