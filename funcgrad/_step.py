@@ -350,7 +350,10 @@ def make_step(
             ``torch.compile(model)`` with a ``torch.optim`` optimizer does: the
             first call compiles about as fast as the model alone, and every step
             runs the update as the eager step does (docs/compile-notes.md has the
-            measured trade-off). ``"step"`` is the same as ``True``.
+            measured trade-off). ``"step"`` is the same as ``True``. With inductor,
+            float16/bfloat16 results are rounded where eager rounds them
+            (``emulate_precision_casts``, unless the options set it), so the compiled
+            update equals the eager one bit for bit (docs/compile-notes.md).
         donate: write the new params, state (and buffers) into the given tensors in
             place and return those same tensors, so ``fg.params(model)`` and
             ``fg.buffers(model)`` keep the module live.
