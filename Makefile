@@ -32,18 +32,15 @@ test: lint
 	echo "make test: pytest took $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # The rounding-sensitive part of the suite (the examples' tests, the fixture tests, the
-# tests that compare floats with zero tolerance) again on other kernel paths: MKL's
+# tests that compare floats with zero tolerance against torch.optim) again on other kernel paths: MKL's
 # portable code path and torch's AVX2 kernels (docs/testing.md, "On another CPU"). Its
 # own inductor cache: torch's cache does not tell kernels built for one
 # ATEN_CPU_CAPABILITY from another's, and a process reading the other's kernels
 # corrupts its heap (benchmarks/repro_inductor_isa_cache.py).
-OTHER_CPU_TESTS := tests/test_examples.py tests/test_flat.py tests/test_checkpoint.py \
-	tests/test_checkpoint_refuses.py tests/test_adam.py tests/test_rules.py \
-	tests/test_transforms.py tests/test_compose.py tests/test_model.py \
-	tests/test_properties.py tests/test_optimizers_everywhere.py \
-	tests/test_optimizer_class.py tests/test_low_precision.py tests/test_lr_state.py \
-	tests/test_eager_autograd.py tests/test_loops.py tests/test_step.py \
-	tests/test_reliability.py tests/test_device.py
+OTHER_CPU_TESTS := tests/test_examples.py tests/test_checkpoint.py tests/test_adam.py \
+	tests/test_rules.py tests/test_optimizer_class.py tests/test_low_precision.py \
+	tests/test_optimizers_everywhere.py tests/test_lr_state.py \
+	tests/test_flat.py::test_checkpoint_written_before_the_flat_layout_loads_and_resumes
 OTHER_CPU ?= MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2
 
 test-other-cpu: $(STAMP)
