@@ -42,7 +42,9 @@ def main() -> None:
         ):
             env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
             env.update(extra, TORCHINDUCTOR_CACHE_DIR=cache)
-            p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
+            p = subprocess.run(
+                [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True
+            )
             tail = (p.stdout.strip().splitlines() or [""])[-1]
             err = (p.stderr.strip().splitlines() or [""])[-1] if p.returncode else ""
             print(f"{label:26s} rc={p.returncode:4d} {tail} {err}")
