@@ -14,7 +14,7 @@ Variants, on ``study_flat_state.py``'s models (``--layers 0`` is the MLP
 - ``adam``: ``make_step(loss, fg.adam(), compile=True, donate=True)`` on ``fg.params``
 - ``step``: the same with the seed rule per layer before Adam
 - ``step-dict``: ``step`` on a params dict built by hand (the per-tensor layout)
-- ``step-p1``: ``step`` with ``funcgrad._transforms.MAX_PERIOD = 1``: only runs of
+- ``step-p1``: ``step`` with ``funcgrad.rules._per_group.MAX_PERIOD = 1``: only runs of
   adjacent equal groups ruled together, not blocks of several groups that repeat
 
 ``--model gpt``: examples/char_gpt.py's transformer instead (``--layers N``: N blocks,
@@ -81,9 +81,9 @@ def child(layers: int, variant: str, model: str) -> dict[str, float]:
     from study_flat_state import make_call
 
     if variant == "step-p1":
-        import funcgrad._transforms
+        import funcgrad.rules._per_group
 
-        funcgrad._transforms.MAX_PERIOD = 1
+        funcgrad.rules._per_group.MAX_PERIOD = 1
     base = "step" if variant == "step-p1" else variant
     call = make_call(layers, base) if model == "mlp" else gpt_call(layers, base)
     c, t = cpu_seconds(), time.perf_counter()

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import funcgrad as fg
-import funcgrad._step as fg_internal_step
+import funcgrad.step._step as fg_internal_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from bench_step import cold_caches, interleaved, per_name

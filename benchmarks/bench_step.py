@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 import funcgrad as fg
-from funcgrad._fusion import realize
+from funcgrad.core._fusion import realize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from hook_answer import attach_hook_answer

@@ -3,7 +3,7 @@ and without ``emulate_precision_casts`` (docs/compile-notes.md, "Low precision")
 
 One update of each funcgrad optimizer from the same state on two 16x8 matrices, eager
 and under ``torch.compile`` (inductor), as a fraction of the largest update. funcgrad's
-compiled steps pass ``emulate_precision_casts=True`` (``funcgrad._checks.eager_rounding``).
+compiled steps pass ``emulate_precision_casts=True`` (``funcgrad.step._checks.eager_rounding``).
 
 Run: python benchmarks/study_low_precision.py  (about a minute on 2 cores)
 """

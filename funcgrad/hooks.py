@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._groups import Groups, as_groups
-from ._rule_base import apply_rule, check_is_rule
+from . import _compat
+from .rules._groups import Groups, as_groups
+from .rules._rule_base import apply_rule, check_is_rule
 
 __all__ = ["RuleHandle", "attach"]
 
@@ -51,16 +52,6 @@ class RuleHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def _current_scale(scaler: Any) -> Tensor | float | None:
-    """The scale a GradScaler multiplied the loss by, as a device tensor (no host
-    sync) where torch offers one; None when the scaler is disabled."""
-    if not scaler.is_enabled():
-        return None
-    get_async = getattr(scaler, "_get_scale_async", None)  # a tensor, no sync
-    scale = get_async() if get_async is not None else None
-    return scale if scale is not None else scaler.get_scale()
 
 
 def attach(
@@ -102,7 +93,7 @@ def attach(
 
     def finalize() -> None:
         pending[0] = False
-        scale = _current_scale(scaler) if scaler is not None else None
+        scale = _compat.grad_scaler_scale(scaler) if scaler is not None else None
         with torch.no_grad():
             for names in groups.values():
                 group: dict[str, Tensor] = {}

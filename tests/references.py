@@ -40,7 +40,7 @@ def seed_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
 def assert_trees_close(a: Any, b: Any, rtol: float = 0.0, atol: float = 0.0) -> None:
     """Equal trees, entry by entry by path: a ``fg.Flat`` compares as the dict of its
     per-name views, so the flat and the per-tensor layouts compare with each other."""
-    from funcgrad._tree import leaves_with_paths
+    from funcgrad.core._tree import leaves_with_paths
 
     pa, pb = leaves_with_paths(a), leaves_with_paths(b)
     assert [p for p, _ in pa] == [p for p, _ in pb], f"structures differ: {pa} vs {pb}"

@@ -223,9 +223,10 @@ def test_eager_multi_tensor_path_equals_the_per_tensor_loop_bit_for_bit(
 ):
     """Eagerly Adam runs on lists (torch._foreach_*), or, for large tensors inside a
     donated eager step, tensor by tensor into buffers kept from the previous step
-    (funcgrad/_scratch.py); traced, tensor by tensor. All must compute the same bits:
+    (funcgrad/core/_scratch.py); traced, tensor by tensor. All must compute the same bits:
     10 steps, mixed dtypes, a decay mask, a schedule."""
-    from funcgrad import _adam, _scratch
+    from funcgrad.core import _scratch
+    from funcgrad.optim import _adam
 
     make = fg.adamw if decoupled else fg.adam
     scratch = _scratch.Scratch()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import funcgrad as fg
-from funcgrad import _dcheckpoint as dckpt
+from funcgrad.distributed import _checkpoint as dckpt
 
 D = torch.float64
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import grad, jacrev, vmap
 
 import funcgrad as fg
-from funcgrad._compose import composing
+from funcgrad.core._compose import composing
 
 D = torch.float64
 

@@ -67,7 +67,7 @@ def test_adam_matches_torch_optim_on_the_device(dtype, decoupled):
     tx = (fg.adamw if decoupled else fg.adam)(lr=1e-2, weight_decay=0.1)
     state = tx.init(params)
     # Gradients of magnitude >= 0.1: a float16 second moment that underflows makes
-    # torch.optim's update inf (documented in funcgrad/_adam.py; tested on the CPU).
+    # torch.optim's update inf (documented in funcgrad/optim/_adam.py; tested on the CPU).
     # Half precision drifts apart by rounding over many steps: 3 steps there.
     for step in range(20 if dtype == torch.float32 else 3):
         g = torch.Generator().manual_seed(step)

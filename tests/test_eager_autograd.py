@@ -2,7 +2,7 @@
 torch.func.grad_and_value: plain-autograd gradients after the first call (equal bit
 for bit on the seed MLP, the small GPT with aux and the BatchNorm ResNet with
 buffers=True; buffer writes refused on every call, not only the first) and Adam's
-borrowed buffers for large tensors (funcgrad/_scratch.py)."""
+borrowed buffers for large tensors (funcgrad/core/_scratch.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from torch.func import grad_and_value
 from workers.shard_workers import small_gpt
 
 import funcgrad as fg
-import funcgrad._scratch as fg_scratch
-import funcgrad._step as fg_step
+import funcgrad.core._scratch as fg_scratch
+import funcgrad.step._step as fg_step
 
 
 def reference(loss_fn, tx, params, state, batches_, has_aux=False, buffers=None):
@@ -222,7 +222,7 @@ def test_eager_step_with_a_loss_that_ignores_the_parameters(counted):
 
 def test_eager_donated_step_with_borrowed_buffers_equals_the_reference(monkeypatch):
     """Large CPU parameters: the donated eager step's Adam writes into buffers kept
-    from the previous step (funcgrad/_scratch.py). Against the torch.func loop, bit
+    from the previous step (funcgrad/core/_scratch.py). Against the torch.func loop, bit
     for bit, over steps that include a skipped NaN batch, a forward that raises and a
     transformation that raises after Adam wrote its borrowed buffers."""
     torch.manual_seed(0)

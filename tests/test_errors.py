@@ -432,11 +432,6 @@ CASES = [
         TypeError,
         lambda: fg.named_chain(("a", fg.adam())).update(P, _adam_state()),
     ),
-    (
-        "fg.rules.zero_fix: unexpected keyword arguments ['dead']",
-        TypeError,
-        lambda: rules.zero_fix(dead=1.0),
-    ),
     ("fg.rules.all_zero: atol must be >= 0, got -1.0.", ValueError, lambda: rules.all_zero(-1.0)),
     (
         "fg.rules.replace_zeros: atol must be a real number, got None.",

@@ -15,7 +15,7 @@ from references import assert_trees_close
 from torch import nn
 
 import funcgrad as fg
-import funcgrad._scratch as fg_scratch
+import funcgrad.core._scratch as fg_scratch
 
 
 def classifier() -> nn.Module:
@@ -204,7 +204,7 @@ def test_a_held_ctrl_c_is_delivered_as_the_handler_in_force_would(handler, survi
 
     code = (
         "import os, signal\n"
-        "from funcgrad._tree import sigint_held\n"
+        "from funcgrad.core._tree import sigint_held\n"
         f"signal.signal(signal.SIGINT, signal.{handler})\n"
         "with sigint_held():\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
@@ -222,7 +222,7 @@ def test_two_threads_stepping_one_model_get_the_results_of_running_alone(donate)
     lets one thread at a time into a module, so concurrent eager steps with
     different params equal sequential ones and the module keeps its Parameters.
     Donated, the model has a weight large enough for Adam to borrow buffers kept
-    between steps (funcgrad/_scratch.py): each thread has its own."""
+    between steps (funcgrad/core/_scratch.py): each thread has its own."""
     if donate:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))

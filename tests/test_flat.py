@@ -1,4 +1,4 @@
-"""The flat layout (funcgrad/_flat.py): fg.params(model) keeps the trainable parameters
+"""The flat layout (funcgrad/core/_flat.py): fg.params(model) keeps the trainable parameters
 in one buffer per (device, dtype), the module's parameters being views of it.
 
 Every test compares against an independent reference: torch.optim, the per-tensor
@@ -18,7 +18,7 @@ from references import assert_trees_close
 from torch import nn
 
 import funcgrad as fg
-from funcgrad._flat import Flat
+from funcgrad.core._flat import Flat
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -115,7 +115,7 @@ STACK_RULES = {
 
 
 def test_blocks_of_groups_that_repeat() -> None:
-    from funcgrad._transforms import _blocks
+    from funcgrad.rules._per_group import _blocks
 
     # adjacent groups of one size; then a run of two; then single groups
     spans = [(0, 4), (4, 8), (8, 12), (12, 14), (14, 16), (20, 24), (24, 30)]
@@ -182,7 +182,7 @@ def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, a
     """Groups that repeat (a stack of equal layers; blocks of four different modules)
     are ruled once per column of the blocks, as the rows of a (k, period) view: every
     statistic per row, the same result as each group alone (the per-tensor layout)."""
-    import funcgrad._rule_base as rb
+    import funcgrad.rules._rule_base as rb
 
     rows_seen = []
     real_rows = rb.rows
@@ -194,7 +194,7 @@ def test_equal_layers_ruled_as_rows_equal_the_per_tensor_layout(name, compile, a
     monkeypatch.setattr(rb, "rows", spy)
     # Compiled, a buffer of few groups is ruled per group on the per-name gradients
     # (test_compiled_step_rules_the_per_name_gradients); rows are what is tested here.
-    monkeypatch.setattr("funcgrad._transforms.FEW_GROUPS", 0)
+    monkeypatch.setattr("funcgrad.rules._per_group.FEW_GROUPS", 0)
 
     def tx(m):
         groups = fg.group_by_module(m)
@@ -336,8 +336,8 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
     """On the CPU a buffer holds at most ``CPU_BUCKET_BYTES``: a module's own
     parameters stay together where they fit, a larger tensor is a buffer of its own
     (its gradient is then never copied into a flat one), other devices keep one."""
-    import funcgrad._flat as flat_mod
-    from funcgrad._flat import Layout
+    import funcgrad.core._flat as flat_mod
+    from funcgrad.core._flat import Layout
 
     def lay(**shapes: tuple[int, ...]) -> list[list[str]]:
         named = {
@@ -380,7 +380,7 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
 def test_capped_buffers_equal_the_per_tensor_layout(compile, monkeypatch) -> None:
     """Several buffers of one dtype, one module split across two (its group is ruled
     per tensor there, the others per segment): the same training as per tensor."""
-    import funcgrad._flat as flat_mod
+    import funcgrad.core._flat as flat_mod
 
     monkeypatch.setattr(flat_mod, "CPU_BUCKET_BYTES", 40 * 8)  # modules of 30, 42, 42, 21
     torch._dynamo.reset()
@@ -560,7 +560,7 @@ def test_checkpoint_written_before_the_flat_layout_loads_and_resumes() -> None:
     checkpoint resumed in the per-tensor layout), and with a tolerance against the
     params the old version reached on the machine that wrote the fixture
     (before_flat_after6.pt): other CPUs take other kernel paths (docs/testing.md)."""
-    from funcgrad._checkpoint import _read
+    from funcgrad.io._checkpoint import _read
 
     path = FIXTURES / "before_flat.ckpt"
     payload = _read(path)

@@ -25,28 +25,55 @@ MUTABLE = (
 )
 
 
+# funcgrad's layers, lowest first: a module may import its own layer and those below,
+# never one above (docs/internals.md, "Where things live"). Top-level modules other than
+# these (funcgrad/hooks.py, funcgrad/__init__.py) are the façade, above everything.
+LAYERS = (
+    "_compat",
+    "core",
+    "step",
+    "rules",
+    "transforms",
+    "optim",
+    "distributed",
+    "io",
+    "torch_optim",
+)
+FACADE = ("hooks", "__init__")
+
+
 def _modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(funcgrad.__path__))
+    """Every module of funcgrad, dotted (``funcgrad.core._flat``), packages included."""
+    found = ["funcgrad"]
+    found += [m.name for m in pkgutil.walk_packages(funcgrad.__path__, "funcgrad.")]
+    return sorted(found)
+
+
+def _path(module: str) -> Path:
+    rel = Path(*module.split(".")[1:])
+    pkg = ROOT / "funcgrad" / rel / "__init__.py"
+    return pkg if pkg.exists() else ROOT / "funcgrad" / rel.with_suffix(".py")
 
 
 def test_every_module_level_state_is_documented():
     doc = (ROOT / "docs" / "internals.md").read_text()
     found = []
     for name in _modules():
-        module = importlib.import_module(f"funcgrad.{name}")
+        module = importlib.import_module(name)
         for attr, value in vars(module).items():
             if attr.startswith("__") or not isinstance(value, MUTABLE):
                 continue
-            found.append(f"funcgrad.{name}.{attr}")
+            found.append(f"{name}.{attr}")
     missing = [f for f in found if f"`{f}`" not in doc]
     assert found, "the scan found nothing: it no longer sees funcgrad's modules"
     assert not missing, (
         f"module-level state not in docs/internals.md: {missing}. Pass it through the "
         "arguments instead, or add a row saying what it holds, who sets it and why."
     )
+    modules = set(_modules())
     listed = {w.strip("`") for w in doc.split() if w.startswith("`funcgrad.")}
-    # module-level names (funcgrad.<module>.<name>); class attributes: the next test
-    gone = sorted(w for w in listed if w.count(".") == 2 and w not in found)
+    # module-level names (a module, then one name); class attributes: the next test
+    gone = sorted(w for w in listed if w.rsplit(".", 1)[0] in modules and w not in found)
     assert not gone, f"docs/internals.md lists state that no longer exists: {gone}"
 
 
@@ -59,7 +86,7 @@ def test_every_mutable_class_attribute_is_documented():
     doc = (ROOT / "docs" / "internals.md").read_text()
     found = []
     for name in _modules():
-        module = importlib.import_module(f"funcgrad.{name}")
+        module = importlib.import_module(name)
         for cname, cls in vars(module).items():
             if not inspect.isclass(cls) or cls.__module__ != module.__name__:
                 continue
@@ -67,8 +94,10 @@ def test_every_mutable_class_attribute_is_documented():
                 if attr.startswith("__") or attr == "_field_defaults":
                     continue
                 if isinstance(value, MUTABLE):
-                    found.append(f"funcgrad.{name}.{cname}.{attr}")
-    assert "funcgrad._flat.Layout._interned" in found, "the scan no longer sees class attributes"
+                    found.append(f"{name}.{cname}.{attr}")
+    assert "funcgrad.core._flat.Layout._interned" in found, (
+        "the scan no longer sees class attributes"
+    )
     missing = [f for f in found if f"`{f}`" not in doc]
     assert not missing, (
         f"mutable class attributes not in docs/internals.md: {missing}. Make them instance "
@@ -87,6 +116,46 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             if node.module is None:  # from . import _x
                 out += [(node.level, a.name) for a in node.names]
     return out
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The import nodes under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    out: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            out.update(n for n in ast.walk(node) if isinstance(n, ast.ImportFrom | ast.Import))
+    return out
+
+
+def _funcgrad_imports(module: str, top_level_only: bool) -> set[str]:
+    """The funcgrad modules ``module`` imports (``from ..core._base import x`` ->
+    ``funcgrad.core._base``; ``from . import _rule_base`` -> that module), module-level
+    statements only or every import (in functions too), never ``TYPE_CHECKING`` ones."""
+    path = _path(module)
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    skip = _type_checking_only(tree)
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    modules = set(_modules())
+    out = set()
+    for node in nodes:
+        if node in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "funcgrad")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module or ""
+                if base.split(".")[0] != "funcgrad":
+                    continue
+            else:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            names = [f"{base}.{a.name}" for a in node.names]
+            sub = [n for n in names if n in modules]
+            out.update(sub if sub else [base])
+    return {m for m in out if m in modules and m != module}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -111,21 +180,104 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_funcgrad_has_no_import_cycle():
     """Module-level imports between funcgrad's modules form no cycle (an import inside
-    a function, which defers one on purpose, is not counted)."""
+    a function, which defers one on purpose, is not counted). A package's
+    ``__init__`` counts as importing nothing of its own modules it does not name."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    names = set(_modules())
-    graph: dict[str, set[str]] = {}
-    for name in names:
-        deps = set()
-        for node in ast.parse((ROOT / "funcgrad" / f"{name}.py").read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                deps.update(
-                    [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-                )
-        graph[name] = deps & names
-    assert len(graph) > 30 and any(graph.values())
+    graph = {m: _funcgrad_imports(m, top_level_only=True) for m in _modules()}
+    assert len(graph) > 40 and any(graph.values())
+    assert "funcgrad.core._base" in graph["funcgrad.optim._adam"], "the scan misreads imports"
     found = _cycle(graph)
     assert found is None, f"import cycle in funcgrad: {' -> '.join(found)}"
+
+
+def _layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else "__init__"
+    part = part.removesuffix(".py")
+    if part in FACADE:
+        return len(LAYERS)
+    assert part in LAYERS, (
+        f"{module} is in no layer of tests/test_house.py's LAYERS: put it in a subpackage "
+        "(docs/internals.md, 'Where things live') or add its layer there."
+    )
+    return LAYERS.index(part)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """Imports point one way: core <- step <- rules <- transforms <- optim <- distributed
+    <- io <- torch_optim <- the façade (``funcgrad/__init__.py``, ``hooks``). Every
+    import counts, also one deferred into a function; ``if TYPE_CHECKING:`` ones
+    (annotations) do not."""
+    assert _layer("funcgrad.optim._adam") > _layer("funcgrad.core._base")
+    upward = []
+    for module in _modules():
+        for dep in sorted(_funcgrad_imports(module, top_level_only=False)):
+            if _layer(dep) > _layer(module):
+                upward.append(f"{module} imports {dep}")
+    assert not upward, (
+        f"{upward}: a module may import its own layer and those below it "
+        f"({' < '.join(LAYERS)} < façade). Move the shared piece down, or pass it in."
+    )
+
+
+PRIVATE_TORCH = (
+    "torch._C",
+    "torch.utils._pytree",
+    "_functional_collectives",
+    "torch._dynamo",
+    "torch._inductor",
+    "_get_scale_async",
+    "optree._",
+    "torch._functorch",
+    "torch._subclasses",
+    "torch._guards",
+)
+
+
+def test_private_torch_api_is_used_in_funcgrad_compat_only():
+    """torch's (and optree's) private names appear in code only in funcgrad/_compat.py
+    (docstrings and comments may name them; ``torch._foreach_*`` may stay where used)."""
+    import io
+    import tokenize
+
+    offenders = []
+    for module in _modules():
+        path = _path(module)
+        if path.name == "_compat.py":
+            continue
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        code = []
+        for tok in tokens:
+            if tok.type in (tokenize.COMMENT, tokenize.STRING):
+                continue
+            code.append(tok.string)
+        text = "".join(code)
+        for name in PRIVATE_TORCH:
+            if name.replace(" ", "") in text:
+                offenders.append(f"{path.relative_to(ROOT)} uses {name}")
+        if "getattr(scaler" in text or "torch._" in text.replace("torch._foreach_", ""):
+            offenders.append(f"{path.relative_to(ROOT)} uses torch._*")
+    assert not offenders, (
+        f"{offenders}: torch's private API lives in funcgrad/_compat.py, each use with the "
+        "version it was checked on and its replacement (tests/test_compat.py runs each)."
+    )
+
+
+def test_import_funcgrad_loads_no_distributed_checkpoint():
+    """``import funcgrad`` loads ``torch.distributed.checkpoint`` and the functional
+    collectives only when used (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, funcgrad; "
+        "print(sorted(m for m in sys.modules if m.startswith(("
+        "'torch.distributed.checkpoint', 'torch.distributed._functional_collectives', "
+        "'torch.distributed.tensor'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]", out
 
 
 def test_no_test_module_imports_another():

@@ -2,7 +2,7 @@
 eager run bit for bit (issue "Correct everywhere", point 4). Inductor keeps a fused
 kernel's low-precision intermediates in float32 unless told to round where eager does
 (``emulate_precision_casts``, which funcgrad's compiled steps set: see
-``funcgrad._checks.eager_rounding``); without it a compiled Muon step on bfloat16
+``funcgrad.step._checks.eager_rounding``); without it a compiled Muon step on bfloat16
 params was 36% of the update away from eager here (docs/compile-notes.md)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import funcgrad as fg
-from funcgrad._checks import eager_rounding
+from funcgrad.step._checks import eager_rounding
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -123,7 +123,7 @@ def test_a_shared_inductor_cache_under_another_cpu_capability_warns():
     reading the other's corrupts its heap: benchmarks/repro_inductor_isa_cache.py)."""
     import warnings
 
-    from funcgrad._checks import warn_shared_cache
+    from funcgrad.step._checks import warn_shared_cache
 
     with pytest.warns(
         UserWarning,

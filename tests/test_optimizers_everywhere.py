@@ -122,7 +122,7 @@ def test_muon_iteration_compiled_as_accurate_as_eager(shape, rank_one):
     float64: within 0.06 per entry on a random matrix. On a nearly rank-1 one (a small
     model's momentum) the small singular directions grow ~3.4x per iteration and the
     bfloat16 rounding with them: both within 0.5, measured 0.1-0.35 for eager."""
-    from funcgrad._muon import orthogonalize
+    from funcgrad.optim._muon import orthogonalize
 
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(*shape, dtype=D, generator=gen)
@@ -418,7 +418,7 @@ def test_muon_under_vmap_and_grad():
 @pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "lion"])
 def test_eager_donated_step_writing_into_kept_buffers_is_bit_equal(name):
     """Large buffers (>= 32768 entries): the eager donated step writes each result of
-    the update into buffers kept from the previous step (funcgrad/_optim.py's Ops);
+    the update into buffers kept from the previous step (funcgrad/optim/_kernel.py's Ops);
     three steps equal the plain step's, bit for bit."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(200, 200), nn.Tanh(), nn.Linear(200, 10)).double()

@@ -265,18 +265,14 @@ def test_tolerant_rules_compile_to_one_graph():
     check_compiles(rules.zero_fix(atol=1e-6), *sets)
 
 
-def test_renamed_spellings_warn_and_mean_the_same():
-    group = make_group("some_zero", torch.float64)
-    with pytest.warns(DeprecationWarning) as caught:
-        old = rules.zero_fix(all_zero=2.0, zero=-1.0)
-    assert [str(w.message).split(" is renamed ")[1][:12] for w in caught] == [
-        "if_all_zero=",
-        "if_zero=...;",
-    ]
-    torch.testing.assert_close(old(group), rules.zero_fix(2.0, -1.0)(group), rtol=0, atol=0)
-    with pytest.warns(DeprecationWarning, match=re.escape("renamed fg.rules.unchanged()")):
-        keep = rules.identity()
-    assert keep(group) == rules.unchanged()(group)
+def test_pre_release_spellings_are_gone():
+    """The pre-release shims are removed: ``rules.identity`` (``fg.rules.unchanged``;
+    ``fg.identity`` is the transformation) and ``zero_fix(all_zero=, zero=)``."""
+    assert not hasattr(rules, "identity")
+    with pytest.raises(
+        TypeError, match=re.escape("zero_fix() got an unexpected keyword argument 'all_zero'")
+    ):
+        rules.zero_fix(all_zero=2.0)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("rows", [False, True])
@@ -284,7 +280,7 @@ def test_eager_bool_reductions_equal_torch_all_and_any(rows):
     """funcgrad's rules reduce masks through _rule_base.all_ / any_, which eagerly on
     the CPU take min / max of the mask's bytes (torch's bool all / any are far
     slower there): the same as torch's, per row too, on every kind of mask."""
-    from funcgrad import _rule_base as rb
+    from funcgrad.rules import _rule_base as rb
 
     g = torch.Generator().manual_seed(0)
     masks = [torch.rand(7, 33, generator=g) < p for p in (0.0, 0.02, 0.5, 0.98, 1.0)] + [

@@ -12,8 +12,9 @@ from torch._dynamo.utils import counters
 from workers import shard_workers as sw
 
 import funcgrad as fg
-from funcgrad import _shard, rules
-from funcgrad._tree import tensor_paths
+from funcgrad import rules
+from funcgrad.core._tree import tensor_paths
+from funcgrad.distributed import _sharded as _shard
 
 
 def single_process(steps=range(sw.STEPS), params=None, state=None):
@@ -249,7 +250,7 @@ def test_rows_are_torch_chunk_and_pad_round_trip(shape, world):
 
 
 def test_shard_safety_of_rules_and_conditions():
-    from funcgrad import _rule_base as rb
+    from funcgrad.rules import _rule_base as rb
 
     assert rules.zero_fix().shard_safe and rules.clip_norm(1.0).shard_safe
     assert (rules.all_zero() | ~rules.any_nonfinite()).shard_safe
@@ -267,7 +268,7 @@ def test_shard_safety_of_rules_and_conditions():
 
 def test_statistics_outside_sharded_are_local():
     g = {"w": torch.tensor([0.0, 3.0]), "b": torch.tensor([4.0])}
-    from funcgrad import _rule_base as rb
+    from funcgrad.rules import _rule_base as rb
 
     assert rb.shards() is None
     assert rb.group_size(g) == 3 and int(rb.zero_count(g)) == 1
@@ -278,7 +279,7 @@ def test_the_ranks_in_force_are_per_thread():
     """fg.sharded's ranks are in force only in the thread running its update."""
     import threading
 
-    from funcgrad import _rule_base as rb
+    from funcgrad.rules import _rule_base as rb
 
     seen = []
     inside, done = threading.Event(), threading.Event()
@@ -345,7 +346,7 @@ def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, capped, monkey
     or empty); each parameter's pieces, rank after rank, are its entries in order.
     ``capped``: CPU buffers of at most 64 bytes, so one dtype has several buffers."""
     if capped:
-        monkeypatch.setattr(fg._flat, "CPU_BUCKET_BYTES", 64)
+        monkeypatch.setattr(fg.core._flat, "CPU_BUCKET_BYTES", 64)
     D = torch.float64
     named = {
         "t": torch.tensor(2.0, dtype=D),  # 0-d
@@ -354,7 +355,7 @@ def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, capped, monkey
         "e": torch.zeros(0, 3, dtype=D),  # empty
         "b": torch.arange(7, dtype=D),
     }
-    flat = fg._flat.pack(named, fg._flat.Layout.for_tensors(named))
+    flat = fg.core._flat.pack(named, fg.core._flat.Layout.for_tensors(named))
     want = [["t", "w", "e", "b"], ["h"]] if not capped else [["t"], ["w"], ["h"], ["e", "b"]]
     assert [list(m) for m in flat.layout.members] == want
     monkeypatch.setattr(_shard.dist, "get_world_size", lambda group=None: world)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import funcgrad as fg
-from funcgrad._tree import leaves_with_paths
+from funcgrad.core._tree import leaves_with_paths
 from workers import fsdp_workers as fw
 
 
@@ -43,7 +43,7 @@ def _die_after_writing() -> None:
 
 def _die_after_publishing() -> None:
     """Rank 0 dies once LATEST names the new checkpoint, before telling the others."""
-    from funcgrad import _dcheckpoint
+    from funcgrad.distributed import _checkpoint as _dcheckpoint
 
     original = _dcheckpoint._publish
 

@@ -20,7 +20,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
-from funcgrad import _rule_base, _shard, _shard_checkpoint
+from funcgrad.distributed import _checkpoint as _shard_checkpoint
+from funcgrad.distributed import _sharded as _shard
+from funcgrad.rules import _rule_base
 from workers.dist_workers import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -284,12 +286,12 @@ def half_run(rank: int, world: int, sharded: bool) -> dict:
         "split": type(type(state).layout.ranks).__name__ if sharded else None,
         "buffers": [b.dtype for b in params.buffers],
         "params": {k: v.clone() for k, v in params.items()},
-        "state": dict(fg._tree.tensor_paths(_shard_checkpoint.full_tensors(saved))),
+        "state": dict(fg.core._tree.tensor_paths(_shard_checkpoint.full_tensors(saved))),
     }
 
 
 def state_bytes(state) -> int:
-    return sum(t.numel() * t.element_size() for _, t in fg._tree.tensor_paths(state))
+    return sum(t.numel() * t.element_size() for _, t in fg.core._tree.tensor_paths(state))
 
 
 def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
@@ -315,7 +317,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             fg.sharded(make_tx(m, amsgrad=rank == 2)).init(fg.params(m))
         layout, mode = mode, mode.removesuffix(ROWS)  # layout: the mode as given
         if mode.endswith(CAPPED):
-            fg._flat.CPU_BUCKET_BYTES = 12 * 8
+            fg.core._flat.CPU_BUCKET_BYTES = 12 * 8
             mode = mode.removesuffix(CAPPED)
         if mode == "per_shard":  # statistics NOT combined: each rank decides on its part
             _shard._Group.any = lambda self, flag: flag  # type: ignore[method-assign]

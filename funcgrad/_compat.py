@@ -1,0 +1,101 @@
+"""torch's private API, in one room.
+
+funcgrad uses a few of torch's underscore names because no public API does the same
+job yet. Every such use is here, and nowhere else in funcgrad (``torch._foreach_*``
+stays where it is used: it is documented, and ``torch.optim`` is built on it).
+``tests/test_compat.py`` exercises each one, so a torch release that drops or changes
+one fails that test by name; ``tests/test_house.py`` fails when a private torch name
+appears in another module.
+
+Each entry says the torch version it was checked on and what replaces it when torch
+drops it. Checked on torch 2.13.0 (the pinned CPU build) and 2.14.1 (the newest this
+project's CI installs, ``make test-newest``).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+# -- torch.utils._pytree ---------------------------------------------------------------
+# The pytree that dynamo traces natively (optree's functions are traced through a
+# polyfill, measured slower to trace: funcgrad/core/_tree.py). Checked on 2.13, 2.14.
+# Replacement: torch.utils.pytree (public, optree-backed) once dynamo traces it as
+# cheaply; then these become its tree_map / tree_map_only / register_pytree_node.
+import torch.utils._pytree as pytree
+
+tree_map = pytree.tree_map
+tree_map_only = pytree.tree_map_only
+register_pytree_node = pytree.register_pytree_node
+
+# -- torch._C._functorch ---------------------------------------------------------------
+# Whether a torch.func transform (grad, vmap, ...) is active, and whether a tensor is
+# one of its wrappers. Checked on 2.13, 2.14. Replacement: none public yet
+# (torch._functorch.pyfunctorch wraps the same stack); without them funcgrad raises
+# the error below rather than guess (funcgrad/core/_compose.py).
+_functorch = getattr(torch._C, "_functorch", None)
+_peek = getattr(_functorch, "peek_interpreter_stack", None)
+_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
+
+
+def _missing(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"funcgrad needs torch._C._functorch.{name} to tell whether a torch.func "
+        f"transform is active, and torch {torch.__version__} does not have it (it is a "
+        "private API, present in the torch releases funcgrad is tested with). Install "
+        "a tested torch (see the README) or report the version."
+    )
+
+
+def functorch_transform_active() -> bool:
+    """Whether the ``torch.func`` interpreter stack is not empty (a transform runs)."""
+    if _peek is None:
+        raise _missing("peek_interpreter_stack")
+    return _peek() is not None
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor wrapped by a ``torch.func`` transform."""
+    if _wrapped is None:
+        raise _missing("is_functorch_wrapped_tensor")
+    return bool(_wrapped(t))
+
+
+# -- torch.distributed._functional_collectives ----------------------------------------
+# Collectives that dynamo captures as graph ops (torch.distributed's own calls break
+# the graph). Checked on 2.13, 2.14 (all_reduce, reduce_scatter_single,
+# all_gather_single). Replacement: the same module if torch makes it public
+# (torch.distributed.functional_collectives has been discussed); imported on first
+# use, so ``import funcgrad`` loads nothing of it.
+def functional_collectives() -> ModuleType:
+    """``torch.distributed._functional_collectives``, imported on first use."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc
+
+
+# -- torch._inductor -------------------------------------------------------------------
+# list_mode_options turns torch.compile's ``mode=`` into inductor options, so funcgrad
+# can add ``emulate_precision_casts`` (torch.compile takes mode or options, not both).
+# Checked on 2.13, 2.14. Replacement: torch.compile accepting mode and options together.
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """The inductor options that ``torch.compile(mode=mode)`` stands for."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+# -- torch.amp.GradScaler._get_scale_async ---------------------------------------------
+# The scaler's current scale as a device tensor, without the host sync of
+# get_scale(). Checked on 2.13, 2.14. Replacement: get_scale() (public, one sync per
+# call), which is what this falls back to where the private method is missing.
+def grad_scaler_scale(scaler: Any) -> torch.Tensor | float | None:
+    """A GradScaler's current scale: a tensor where torch offers one without a host
+    sync, else ``scaler.get_scale()``; None when the scaler is disabled."""
+    if not scaler.is_enabled():
+        return None
+    get_async = getattr(scaler, "_get_scale_async", None)
+    scale = get_async() if get_async is not None else None
+    return scale if scale is not None else scaler.get_scale()

@@ -1,0 +1,312 @@
+"""The core abstraction: a gradient transformation is a pair of pure functions.
+
+Following optax, a transformation never mutates anything. ``init`` builds a state
+pytree from the parameters, ``update`` maps ``(grads, state, params)`` to
+``(updates, new_state)``. Optimizers are chains of such transformations, and the
+caller adds the final updates to the parameters with :func:`apply_updates`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from ._compose import composing
+from ._flat import Flat, pack
+from ._tree import names_mismatch
+
+Params = dict[str, Tensor]
+"""Flat dict of tensors, keyed exactly as ``model.named_parameters()``."""
+
+State = Any
+"""A pytree of tensors (NamedTuples, tuples and dicts of tensors)."""
+
+LossFn = Callable[..., Any]
+"""``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``)."""
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> State: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, grads: Params, state: State, params: Params | None = None
+    ) -> tuple[Params, State]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions ``(init, update)``.
+
+    ``init(params) -> state`` and ``update(grads, state, params=None) -> (updates,
+    new_state)``. Neither mutates its inputs, so both can be traced by
+    ``torch.compile(fullgraph=True)`` and composed with ``torch.func`` transforms.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> double = fg.GradientTransformation(
+        ...     init=lambda params: fg.EmptyState(),
+        ...     update=lambda grads, state, params=None: (
+        ...         {k: 2 * g for k, g in grads.items()}, state),
+        ... )
+        >>> updates, _ = double.update({"w": torch.ones(2)}, double.init({}))
+        >>> updates["w"]
+        tensor([2., 2.])
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def stateless(fn: Callable[[Params, Params | None], Params]) -> GradientTransformation:
+    """Wrap ``fn(grads, params) -> updates`` as a transformation with an empty state.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> neg = fg.stateless(lambda grads, params: {k: -g for k, g in grads.items()})
+        >>> neg.update({"w": torch.ones(1)}, neg.init({}))[0]
+        {'w': tensor([-1.])}
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
+        return fn(grads, params), state
+
+    return GradientTransformation(init, update)
+
+
+def identity() -> GradientTransformation:
+    """A transformation that passes gradients through unchanged.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> fg.identity().update({"w": torch.ones(1)}, fg.EmptyState())[0]
+        {'w': tensor([1.])}
+    """
+    return shardable(stateless(lambda grads, params: grads), by_entry=True)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace every update by zeros (for frozen partitions).
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> fg.set_to_zero().update({"w": torch.ones(2)}, fg.EmptyState())[0]
+        {'w': tensor([0., 0.])}
+    """
+    return shardable(
+        stateless(lambda grads, params: {k: torch.zeros_like(g) for k, g in grads.items()}),
+        by_entry=True,
+    )
+
+
+@dataclass
+class _Facts:
+    """What funcgrad records about one transformation (keyed by its ``update``)."""
+
+    shardable: bool = False
+    """Declared with :func:`shardable`: ``fg.sharded`` may run it on row shards."""
+    by_entry: bool = False
+    """Declared with ``shardable(..., by_entry=True)``: it may also run on any cut of the
+    flat buffers (``fg.sharded`` on ``fg.params``), where a piece is a 1-D run of entries."""
+    averages: bool = False
+    """Is or contains ``fg.all_reduce_mean`` (``fg.sharded``, which averages itself, refuses it)."""
+    parts: tuple[GradientTransformation, ...] = ()
+    """The transformations it wraps (``chain``, ``partition``, ...), for :func:`learning_rates`."""
+    lr: Any = None
+    """The learning rate it was built with (an optimizer: a float, a 0-d tensor or a
+    schedule), read by ``fg.Optimizer`` to start its param group's ``"lr"``. Never
+    written after the build: the learning rate in use is the optimizer state's ``lr``."""
+
+
+_FACTS: weakref.WeakKeyDictionary[Any, _Facts] = weakref.WeakKeyDictionary()
+"""The one registry of transformations, keyed weakly by their ``update`` function (a
+``GradientTransformation`` is a NamedTuple: nothing can be attached to it). Written
+only when a transformation is built outside ``torch.compile`` (dynamo cannot trace a
+weak dictionary); read by ``fg.sharded`` and ``fg.Optimizer``. It never changes what
+``update`` computes."""
+
+
+def _facts(tx: GradientTransformation) -> _Facts:
+    facts = _FACTS.get(tx.update)
+    if facts is None:
+        facts = _FACTS[tx.update] = _Facts()
+    return facts
+
+
+def has_lr(tx: GradientTransformation, lr: Any) -> GradientTransformation:
+    """Record that ``tx`` is an optimizer built with learning rate ``lr``. Returns ``tx``."""
+    if not torch.compiler.is_compiling():
+        _facts(tx).lr = lr
+    return tx
+
+
+def wraps(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
+    """Record that ``tx`` wraps ``parts`` (for :func:`learning_rates`), without declaring
+    it shardable. Returns ``tx``."""
+    if not torch.compiler.is_compiling():
+        _facts(tx).parts = parts
+    return tx
+
+
+def learning_rates(tx: GradientTransformation) -> list[Any]:
+    """The learning rates every optimizer inside ``tx`` was built with, in order
+    (through ``chain``, ``named_chain``, ``partition``, ``accumulate``,
+    ``skip_if_nonfinite``, ``sharded``): the order of their states in ``tx.init``'s."""
+    out: list[Any] = []
+
+    def walk(t: GradientTransformation) -> None:
+        facts = _FACTS.get(t.update, _Facts())
+        if facts.lr is not None:
+            out.append(facts.lr)
+        for part in facts.parts:
+            walk(part)
+
+    walk(tx)
+    return out
+
+
+def shardable(
+    tx: GradientTransformation, *parts: GradientTransformation, by_entry: bool = False
+) -> GradientTransformation:
+    """Declare that ``tx`` may run on row shards under :func:`funcgrad.sharded`, if all
+    of ``parts`` (the transformations it wraps) may.
+
+    A transformation may when each output entry depends only on the same entry of
+    the gradients, parameters and its own state, and on per-group statistics taken
+    through ``funcgrad.rules._rule_base`` (which combine across ranks). ``by_entry=True``
+    declares more: it does not read the tensors' shapes either (no factored moments,
+    no matrix of its own, no mask or label decided from a shape), so it may run on
+    equal chunks of the flat buffers, where each tensor's piece is a 1-D run of
+    entries (if all of ``parts`` may too). Returns ``tx``.
+
+    A transformation built inside a compiled function (e.g. ``fg.adam(lr=lr)`` with
+    a traced, learnable ``lr``) is not registered: dynamo cannot trace the weak
+    dictionary, and ``fg.sharded`` is never built there.
+    """
+    if torch.compiler.is_compiling():
+        return tx
+    facts = _facts(tx)
+    if parts:
+        facts.parts = parts
+    if all(is_shardable(p) for p in parts):
+        facts.shardable = True
+        facts.by_entry = by_entry and all(is_by_entry(p) for p in parts)
+    if any(averages_over_ranks(p) for p in parts):
+        facts.averages = True
+    return tx
+
+
+def is_shardable(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` was declared with :func:`shardable`."""
+    facts = _FACTS.get(tx.update)
+    return facts is not None and facts.shardable
+
+
+def is_by_entry(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` was declared with ``shardable(..., by_entry=True)``."""
+    facts = _FACTS.get(tx.update)
+    return facts is not None and facts.by_entry
+
+
+def averages_over_ranks(tx: GradientTransformation, mark: bool = False) -> bool:
+    """Whether ``tx`` is or contains ``fg.all_reduce_mean`` (``mark=True`` declares it)."""
+    if mark:
+        _facts(tx).averages = True
+    facts = _FACTS.get(tx.update)
+    return facts is not None and facts.averages
+
+
+def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:
+    """Return ``params + updates`` entry by entry, as a new dict (pure).
+
+    Each update is cast to its parameter's dtype, so a float32 update of a bfloat16
+    parameter stays bfloat16.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> fg.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
+        {'w': tensor([1.5000, 0.0000])}
+    """
+    if params.keys() != updates.keys():
+        raise KeyError(
+            "fg.apply_updates: params and updates must have the same names; updates have "
+            f"{names_mismatch(params, updates)}. Pass the updates returned by "
+            "tx.update(grads, state, params) for these same params."
+        )
+    if isinstance(params, Flat):  # flat params: the sum over each buffer, same layout
+        layout = params.layout
+        ps, us = list(params.buffers), updates_as_params(params, updates)
+        if composing(*ps, *us):
+            return Flat([p + u for p, u in zip(ps, us, strict=True)], layout)  # type: ignore[return-value]
+        return Flat(torch._foreach_add(ps, us), layout)  # type: ignore[return-value]
+    if not params or composing(params, updates):
+        # Traced, or under torch.func / differentiating autograd: plain additions.
+        return {k: p + updates[k].to(p.dtype) for k, p in params.items()}
+    # Eagerly, one dispatch for all tensors (the same additions, bit for bit).
+    new = torch._foreach_add(list(params.values()), updates_as_params(params, updates))
+    return dict(zip(params, new, strict=True))
+
+
+def updates_as_params(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> list[Tensor]:
+    """The updates aligned with ``leaves(params)`` (a Flat's buffers, else its values),
+    each cast to its parameter's dtype (no call where it already has it: eager
+    overhead)."""
+    if isinstance(params, Flat):
+        packed = pack(updates, params.layout)
+        return [
+            u if u.dtype == p.dtype else u.to(p.dtype)
+            for p, u in zip(params.buffers, packed.buffers, strict=True)
+        ]
+    return [u if (u := updates[k]).dtype == p.dtype else u.to(p.dtype) for k, p in params.items()]
+
+
+def describe(x: object) -> str:
+    """``"(2, 3) torch.float32"`` for a tensor, else the type's name (for messages)."""
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+
+
+def check_state(state: State, cls: type, who: str) -> None:
+    """Raise a clear error unless ``state`` is the ``cls`` that ``who``'s init makes."""
+    if not isinstance(state, cls):
+        name = cls.__name__
+        article = "an" if name[0] in "AEIOU" else "a"
+        raise TypeError(
+            f"{who}.update: expected {article} {name}, got {type(state).__name__}. Build "
+            "the state with the same transformation's init(params)."
+        )
+
+
+def params_device(params: Mapping[str, Tensor]) -> torch.device:
+    """Where a transformation keeps its counters, and ``fg.sharded`` its layout: with
+    the (first) parameter; the CPU for no parameters."""
+    return next(iter(params.values())).device if params else torch.device("cpu")
+
+
+def check_floating(tree: Mapping[str, Tensor], what: str) -> None:
+    """Raise a clear error unless every value is a real floating-point tensor."""
+    for name, t in tree.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"{what}: '{name}' is a {type(t).__name__}, not a torch.Tensor. "
+                "funcgrad works on flat dicts of tensors such as fg.params(model)."
+            )
+        if not torch.is_floating_point(t):
+            raise TypeError(
+                f"{what}: '{name}' has dtype {t.dtype}; gradients and optimizer "
+                "states need a real floating-point dtype (float16/bfloat16/float32/"
+                "float64). Integer tensors cannot be trained; complex parameters are "
+                "not supported - store them as real pairs with torch.view_as_real."
+            )

@@ -1,0 +1,531 @@
+"""One flat layout: parameters, gradients and optimizer state in a few contiguous buffers.
+
+:class:`Flat` is a read-only ``Mapping[str, Tensor]`` whose entries are views into
+one contiguous 1-D buffer per (device, dtype) (on the CPU, buffers of at most
+:data:`CPU_BUCKET_BYTES`), in ``named_parameters()`` order, so each module's own
+parameters (a group of ``fg.group_by_module``) are one segment.
+A user reads it as a dict (``params["fc1.weight"]``, ``state.mu["fc1.weight"]``,
+checkpoints keyed by name, as before); the code that runs every step sees a few
+buffers instead of one tensor per parameter:
+
+- as a pytree in ``torch.utils._pytree`` (and optree's ``funcgrad.buffers``
+  namespace, which funcgrad's commit and step checks use) its leaves are the
+  buffers, so a compiled step has a few inputs and a ``tree_map`` over it is one
+  elementwise op per buffer;
+- in optree's ``funcgrad`` namespace (checks, messages, checkpoints) and its global
+  one (a user's ``optree.tree_map``) its children are the per-name views, so paths
+  read ``mu['fc1.weight']`` and a checkpoint has today's names and shapes (loaded
+  back into the flat layout).
+
+Why: ``torch.compile`` generates and compiles code per tensor, so a step over many
+small layers compiled several times as long as its gradients with one tensor per
+parameter (docs/compile-notes.md); Adam over three flat buffers is one kernel.
+
+:func:`funcgrad.params` builds it from a module and makes the module's parameters
+views of its buffers (``param.data = view``), so the module and the dict stay one
+set of tensors; :meth:`Flat.check_attached` finds a module whose parameters were
+re-allocated since (``model.to(dtype)``, ``to_empty``, an assignment to ``.data``).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from .. import _compat
+from ._scratch import BIG, borrowing
+from ._tree import BUFFERS, NAMESPACE
+
+CPU_BUCKET_BYTES = 16 * 2**20
+"""The most bytes of one CPU buffer (a tensor larger than that gets one of its own).
+
+glibc serves an allocation of more than its ``mmap`` threshold (raised as large
+blocks are freed, up to 32 MiB) with a fresh ``mmap`` whose every page faults on
+first write, each time. A buffer's temporaries under ``torch.compile`` (the flat
+gradient, ``cat`` of the per-tensor gradients) are allocated every step: one 134 MB
+buffer made an update-heavy step (8 x 2048 x 2048) 2.3x fused ``torch.optim.Adam``
+where one tensor per parameter ran it in 0.68x (benchmarks/README.md). Buffers of at
+most 16 MiB are reused from the heap; a tensor larger than that is its own buffer, so
+its gradient is never copied. CUDA's caching allocator reuses memory: one buffer per
+(device, dtype) there."""
+
+
+def _unit_key(item: tuple[str, Tensor]) -> tuple[Any, ...]:
+    """Names with one key in a row are one module's own parameters of one kind."""
+    name, t = item
+    return (name.rpartition(".")[0], t.device, t.dtype)
+
+
+class Layout:
+    """Where each name lives: ``(buffer index, offset, shape)``; interned, hashable.
+
+    Two layouts with the same entries are the same object (:meth:`of`), so a
+    compiled step guarding on it never recompiles for an equal one.
+    """
+
+    __slots__ = ("__weakref__", "entries", "index", "members", "names", "sizes", "starts")
+    # Weak values: a layout lives while a Flat, a state or a compiled step holds it
+    # (it was a plain dict: every layout ever made stayed, an unbounded strong cache).
+    _interned: ClassVar[weakref.WeakValueDictionary[tuple[Any, ...], Layout]] = (
+        weakref.WeakValueDictionary()
+    )
+
+    names: tuple[str, ...]
+    entries: tuple[tuple[int, int, tuple[int, ...]], ...]
+    sizes: tuple[int, ...]
+    index: dict[str, int]
+    members: tuple[tuple[str, ...], ...]
+    starts: dict[tuple[int, int], int]
+
+    @classmethod
+    def of(
+        cls, names: Sequence[str], entries: Sequence[tuple[int, int, tuple[int, ...]]]
+    ) -> Layout:
+        key = (tuple(names), tuple((b, o, tuple(s)) for b, o, s in entries))
+        found = cls._interned.get(key)
+        if found is not None:
+            return found
+        self = object.__new__(cls)
+        self.names, self.entries = key
+        count = 1 + max((b for b, _, _ in self.entries), default=-1)
+        sizes = [0] * count
+        for b, o, s in self.entries:
+            sizes[b] = max(sizes[b], o + math.prod(s))
+        self.sizes = tuple(sizes)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.members = tuple(
+            tuple(n for n, (i, _, _) in zip(self.names, self.entries, strict=True) if i == b)
+            for b in range(count)
+        )
+        self.starts = {}  # (buffer, offset) -> position in members[buffer] of the first there
+        for b, names in enumerate(self.members):
+            for i, n in enumerate(names):
+                self.starts.setdefault((b, self.entries[self.index[n]][1]), i)
+        cls._interned[key] = self
+        return self
+
+    @classmethod
+    def for_tensors(cls, named: Mapping[str, Tensor]) -> Layout:
+        """Buffers per (device, dtype), in the order of first appearance; each
+        buffer's entries in the mapping's order, packed without gaps.
+
+        On a CUDA device (or any but the CPU) one buffer per (device, dtype). On the
+        CPU a buffer holds at most :data:`CPU_BUCKET_BYTES` (a tensor larger than
+        that alone), and a module's own parameters (names sharing the prefix before
+        the last dot) stay in one buffer where they fit: see :data:`CPU_BUCKET_BYTES`
+        for why."""
+        kinds: dict[tuple[torch.device, torch.dtype], int] = {}  # kind -> open buffer
+        fill: list[int] = []  # bytes per buffer
+        entries: list[tuple[int, int, tuple[int, ...]]] = []
+        items = list(named.items())
+        i = 0
+        while i < len(items):
+            t = items[i][1]
+            kind = (t.device, t.dtype)
+            j = i + 1  # items[i:j]: one module's own parameters of this kind, in a row
+            while j < len(items) and _unit_key(items[j]) == _unit_key(items[i]):
+                j += 1
+            cap = CPU_BUCKET_BYTES if t.device.type == "cpu" else None
+            size = t.element_size()
+            unit = sum(u.numel() for _, u in items[i:j]) * size
+            parts = [items[i:j]] if cap is None or unit <= cap else [[x] for x in items[i:j]]
+            for part in parts:
+                nbytes = sum(u.numel() for _, u in part) * size
+                b = kinds.get(kind)
+                if b is None or (cap is not None and fill[b] > 0 and fill[b] + nbytes > cap):
+                    b = kinds[kind] = len(fill)
+                    fill.append(0)
+                for _, u in part:
+                    entries.append((b, fill[b] // size, tuple(u.shape)))
+                    fill[b] += u.numel() * size
+            i = j
+        return cls.of([n for n, _ in items], entries)
+
+    def names_in(self, b: int) -> tuple[str, ...]:
+        """The names in buffer ``b``, in order."""
+        return self.members[b]
+
+    def segment(self, names: Sequence[str]) -> tuple[int, int, int] | None:
+        """``(buffer, start, stop)`` if ``names`` are, in this order, one gap-free run
+        of one buffer; else None."""
+        if not names or any(n not in self.index for n in names):
+            return None
+        first = self.entries[self.index[names[0]]]
+        b, start = first[0], first[1]
+        at = start
+        for n in names:
+            i, o, s = self.entries[self.index[n]]
+            if i != b or o != at:
+                return None
+            at += math.prod(s)
+        return b, start, at
+
+    def run(self, b: int, start: int, stop: int) -> tuple[str, ...] | None:
+        """The names whose entries tile ``[start, stop)`` of buffer ``b`` exactly, in
+        order (the inverse of :meth:`segment`); None if no run of entries does. Reads
+        only the entries in the range (traced code runs it once per group)."""
+        i = self.starts.get((b, start))
+        if i is None:
+            return () if start == stop else None
+        names, out, at = self.members[b], [], start
+        while i < len(names):
+            _, o, shape = self.entries[self.index[names[i]]]
+            if o >= stop:
+                break
+            if o != at:
+                return None
+            out.append(names[i])
+            at += math.prod(shape)
+            i += 1
+        return tuple(out) if at == stop else None
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.names)} tensors in {len(self.sizes)} buffer(s))"
+
+    def __reduce__(self) -> Any:  # pickles (deepcopy) as the interned object
+        return (Layout.of, (self.names, self.entries))
+
+
+class Flat(Mapping[str, Tensor]):
+    """A read-only mapping ``name -> view`` over flat buffers (one per (device, dtype);
+    on the CPU, at most :data:`CPU_BUCKET_BYTES` each).
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> p = fg.params(model)
+        >>> type(p).__name__, list(p), [tuple(b.shape) for b in p.buffers]
+        ('Flat', ['weight', 'bias'], [(3,)])
+        >>> p["weight"].data_ptr() == model.weight.data_ptr()
+        True
+    """
+
+    __slots__ = ("_owner", "_parts", "_views", "buffers", "layout")
+
+    buffers: tuple[Tensor, ...]
+    layout: Layout
+
+    def __init__(
+        self, buffers: Sequence[Tensor], layout: Layout, owner: tuple[Any, ...] | None = None
+    ) -> None:
+        self.buffers = tuple(buffers)
+        self.layout = layout
+        self._views: dict[str, Tensor] | None = None
+        self._owner = owner
+        self._parts: Mapping[str, Tensor] | None = None
+
+    @classmethod
+    def _packed_from(cls, parts: Mapping[str, Tensor], layout: Layout) -> Flat:
+        """``pack(parts, layout)`` that keeps ``parts`` (in traced code only), for
+        :meth:`_parts_in`.
+
+        Under inductor on the CPU a ``cat`` is always a buffer written whole
+        (``ConcatKernel``), so the flat gradient costs one more pass over every
+        gradient; when the rules read the per-name gradients (the backward's own
+        outputs, where their reductions fuse) and nothing else reads the flat
+        buffer, that ``cat`` is dead code and inductor drops it. ``parts`` must not
+        change afterwards (a traced step's gradients do not)."""
+        flat = pack(parts, layout)
+        if flat is not parts and torch.compiler.is_compiling():
+            flat._parts = parts
+        return flat
+
+    def _parts_in(self, b: int, start: int, stop: int) -> dict[str, Tensor] | None:
+        """The kept parts (:meth:`_packed_from`) that tile entries ``[start, stop)`` of
+        buffer ``b`` exactly, by name in order; None if none are kept or they do
+        not tile that range (then read the buffer)."""
+        buf = self.buffers[b]
+        parts = self._parts
+        names = None if parts is None or buf.dim() != 1 else self.layout.run(b, start, stop)
+        if names is None:
+            return None
+        run = {n: parts[n] for n in names}  # type: ignore[index]
+        for n, part in run.items():
+            shape = self.layout.entries[self.layout.index[n]][2]
+            if part.dtype != buf.dtype or part.shape != shape:
+                return None
+        return run
+
+    def _entries(self, b: int, start: int, stop: int) -> dict[str, Tensor]:
+        """Entries ``[start, stop)`` of buffer ``b`` as a group for a rule or a
+        statistic: the kept per-name parts that tile them (:meth:`_parts_in`), else
+        ``{"segment": the slice of the buffer}``."""
+        parts = self._parts_in(b, start, stop)
+        return parts if parts is not None else {"segment": self.buffers[b][start:stop]}
+
+    def _has_parts(self) -> bool:
+        """Whether this keeps the per-name tensors it was packed from (:meth:`_packed_from`)."""
+        return self._parts is not None
+
+    # The mapping: views made on first use (and kept, outside traced code).
+    def views(self) -> dict[str, Tensor]:
+        """Every entry as a view of its buffer, in order (a new plain dict).
+
+        Eagerly the views are made once per object and kept (the same view objects
+        every time); traced, they are made from the buffers inside the graph, never
+        read from that cache (cached views would become extra, aliased graph inputs:
+        slower guards and runtime wrappers)."""
+        compiling = torch.compiler.is_compiling()
+        # The cache is not read while tracing: dynamo would guard on whether it is
+        # filled, and a step's output (not yet viewed) would recompile the step.
+        if not compiling and self._views is not None:
+            return dict(self._views)
+        out = {
+            n: _view(self.buffers[b], o, s)
+            for n, (b, o, s) in zip(self.layout.names, self.layout.entries, strict=True)
+        }
+        if not compiling:
+            self._views = out
+        return dict(out)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if not torch.compiler.is_compiling():
+            if self._views is None:
+                self.views()
+            return self._views[name]  # type: ignore[index]
+        i = self.layout.index.get(name) if isinstance(name, str) else None
+        if i is None:
+            raise KeyError(name)
+        b, o, s = self.layout.entries[i]
+        return _view(self.buffers[b], o, s)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout.index
+
+    def __repr__(self) -> str:
+        return f"Flat({self.views()!r})"
+
+    def __reduce__(self) -> Any:
+        # pickle / torch.save: an OrderedDict of per-name tensors (what a module's
+        # state_dict is), which torch.load(weights_only=True) accepts, and which loads
+        # into either layout
+        return (collections.OrderedDict, (list(self.views().items()),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Flat:
+        return Flat([b.clone() for b in self.buffers], self.layout)
+
+    def _detached_name(self) -> str | None:
+        """The first parameter of the module this came from that is no longer a view
+        of these buffers, or None."""
+        if self._owner is None:
+            return None
+        model_ref, refs, ptrs = self._owner
+        if model_ref() is None:
+            return None  # the module is gone: nothing to keep in step with
+        for (name, ref), ptr in zip(refs, ptrs, strict=True):
+            p = ref()
+            if p is None or p.data_ptr() != ptr:
+                return name
+        return None
+
+    def attached(self) -> bool:
+        return self._detached_name() is None
+
+    def check_attached(self, what: str) -> None:
+        """Raise if the module this came from no longer trains these buffers."""
+        name = self._detached_name()
+        if name is not None:
+            raise RuntimeError(
+                f"{what}: the module's parameter '{name}' is no longer the tensor that "
+                "these params hold: it was re-allocated after fg.params(model) (by "
+                "model.to(...), .half(), .to_empty(...), or an assignment to "
+                "param.data), so a step would train a detached copy and the module would "
+                "never see it. Call fg.params(model) again after moving or converting "
+                "the model, and build the state for it (tx.init or fg.load_state_dict)."
+            )
+
+
+def _view(buffer: Tensor, offset: int, shape: tuple[int, ...]) -> Tensor:
+    """One entry of ``buffer``; along its last dimension, so that buffers stacked with
+    a leading dimension (per-sample gradients, an ensemble's params) keep working."""
+    if buffer.dim() == 1:
+        return buffer.narrow(0, offset, math.prod(shape)).view(shape)
+    lead = tuple(buffer.shape[:-1])
+    return buffer.narrow(-1, offset, math.prod(shape)).view(*lead, *shape)
+
+
+def pack(tree: Mapping[str, Tensor], layout: Layout) -> Any:  # a Flat
+    """``tree`` (any mapping with ``layout``'s names) in ``layout``: ``tree`` itself if
+    it already is; otherwise one ``cat`` per buffer, each entry keeping its dtype
+    where the buffer's entries share one (a float32 update of a bfloat16 parameter
+    stays float32)."""
+    if isinstance(tree, Flat) and tree.layout is layout:
+        return tree
+    bufs = []
+    for b in range(len(layout.sizes)):
+        bufs.append(cat([tree[n].reshape(-1) for n in layout.names_in(b)]))
+    return Flat(bufs, layout)
+
+
+def cat(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` of 1-D tensors (``parts[0]`` alone if it is the only one).
+
+    In the eager donated step (:func:`funcgrad.core._scratch.lending`) a large CPU result is
+    written into a buffer kept from the previous step: a fresh one is a fresh ``mmap``
+    whose pages all fault on first write (funcgrad/core/_scratch.py)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    scratch = borrowing(first)
+    n = sum(p.shape[-1] for p in parts)
+    if scratch is None or n < BIG or any(p.dtype != first.dtype or p.dim() != 1 for p in parts):
+        return torch.cat(parts, dim=-1)
+    return torch.cat(parts, out=scratch.empty((n,), first.dtype, first.device))
+
+
+def like(tree: Mapping[str, Tensor], layout: Layout | None) -> Any:  # Flat or tree's type
+    """``tree`` packed into ``layout``, or ``tree`` unchanged when ``layout`` is None."""
+    return tree if layout is None else pack(tree, layout)
+
+
+def layout_of(*trees: object) -> Layout | None:
+    """The layout of the first :class:`Flat` among ``trees``, else None."""
+    for t in trees:
+        if isinstance(t, Flat):
+            return t.layout
+    return None
+
+
+def by_buffer(tree: Any) -> dict[str, Tensor]:  # a Flat
+    """The buffers keyed ``"0"``, ``"1"``...: per-name code run on whole buffers."""
+    return {str(i): b for i, b in enumerate(tree.buffers)}
+
+
+def from_buffers(out: Mapping[str, Tensor], layout: Layout) -> Any:  # a Flat
+    """The inverse of :func:`by_buffer`."""
+    return Flat([out[str(i)] for i in range(len(layout.sizes))], layout)
+
+
+def zeros_like(params: Mapping[str, Tensor]) -> Any:  # Flat or dict
+    """Zeros shaped like ``params``, in its layout (flat for a :class:`Flat`)."""
+    if isinstance(params, Flat):
+        return Flat([torch.zeros_like(b) for b in params.buffers], params.layout)
+    return {k: torch.zeros_like(p) for k, p in params.items()}
+
+
+def leaves(tree: Mapping[str, Tensor]) -> list[Tensor]:
+    """The tensors that hold ``tree``'s data: a Flat's buffers, else its values."""
+    return list(tree.buffers) if isinstance(tree, Flat) else list(tree.values())
+
+
+# -- pytree registrations ---------------------------------------------------------
+
+
+def _flatten_buffers(f: Flat) -> tuple[list[Tensor], Layout]:
+    return list(f.buffers), f.layout
+
+
+def _unflatten_buffers(children: Sequence[Any], layout: Layout) -> Flat:
+    return Flat(tuple(children), layout)
+
+
+_compat.register_pytree_node(
+    Flat,
+    _flatten_buffers,  # type: ignore[arg-type]
+    _unflatten_buffers,  # type: ignore[arg-type]
+    serialized_type_name="funcgrad.Flat",
+)
+optree.register_pytree_node(
+    Flat,
+    _flatten_buffers,  # type: ignore[arg-type]
+    lambda layout, children: _unflatten_buffers(children, layout),  # type: ignore[arg-type]
+    namespace=BUFFERS,
+)
+
+
+def _flatten_names(f: Flat) -> tuple[list[Tensor], Layout, tuple[str, ...]]:
+    return list(f.views().values()), f.layout, f.layout.names
+
+
+def _unflatten_names(layout: Layout, children: Sequence[Any]) -> Any:
+    named = dict(zip(layout.names, children, strict=True))
+    if children and all(_fits(c, e[2]) for c, e in zip(children, layout.entries, strict=True)):
+        return pack(named, layout)
+    # non-tensor leaves (masks, labels), tensors of other shapes (a sharded state's
+    # whole shapes in a checkpoint) or DTensors: a plain dict of them
+    return named
+
+
+def _fits(child: Any, shape: tuple[int, ...]) -> bool:
+    """Whether ``child`` can be an entry of ``shape`` in a buffer: a tensor of it, not
+    a ``DTensor`` (which has ``placements``; a checkpoint view's rows of a whole)."""
+    return (
+        isinstance(child, Tensor)
+        and tuple(child.shape) == shape
+        and not hasattr(child, "placements")
+    )
+
+
+for _namespace in (NAMESPACE, getattr(optree.registry, "__GLOBAL_NAMESPACE", None)):
+    # also in optree's global namespace (a private name of optree's; without it a
+    # user's optree.tree_map sees a Flat as one leaf), as a user reads it: by name
+    if _namespace is not None:
+        optree.register_pytree_node(
+            Flat,
+            _flatten_names,  # type: ignore[arg-type]
+            _unflatten_names,  # type: ignore[arg-type]
+            path_entry_type=optree.MappingEntry,
+            namespace=_namespace,
+        )
+
+
+# -- from a module --------------------------------------------------------------
+
+
+def _flattenable(p: Tensor) -> bool:
+    """A parameter that can become a view of a flat buffer without changing its meaning
+    or speed: a plain dense contiguous tensor (not channels_last, not a DTensor or
+    other subclass, not sparse)."""
+    return type(p) in (nn.Parameter, Tensor) and p.layout == torch.strided and p.is_contiguous()
+
+
+def flatten_module(
+    model: nn.Module, named: dict[str, nn.Parameter], data: dict[str, Tensor]
+) -> Flat | None:
+    """Move ``named`` (the trainable parameters of ``model``; ``data``: the same,
+    detached) into flat buffers, the parameters becoming views of them; None where
+    the flat layout cannot hold (a parameter that is not a plain contiguous dense
+    tensor: see :func:`_flattenable`), and the caller keeps one tensor per parameter."""
+    if not named or not all(_flattenable(p) for p in named.values()):
+        return None
+    flat = _BUILT.get(model)
+    if flat is not None and (list(flat) != list(named) or not flat.attached()):
+        flat = None
+    if flat is None:
+        layout = Layout.for_tensors(data)
+        with torch.no_grad():  # new buffers (cat copies, also of a single tensor)
+            flat = Flat(
+                [
+                    torch.cat([data[n].reshape(-1) for n in layout.names_in(b)])
+                    for b in range(len(layout.sizes))
+                ],
+                layout,
+            )
+            for k, view in flat.views().items():
+                named[k].data = view
+    views = flat.views()
+    flat._owner = (
+        weakref.ref(model),
+        tuple((k, weakref.ref(p)) for k, p in named.items()),
+        tuple(views[k].data_ptr() for k in named),
+    )
+    _BUILT[model] = flat
+    return Flat(flat.buffers, flat.layout, owner=flat._owner)
+
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, Flat] = weakref.WeakKeyDictionary()
+"""The last flat params built for each module: a second ``fg.params(model)`` returns
+its buffers while the module's parameters are still their views."""

@@ -1,0 +1,432 @@
+"""Optimizer state between ``torch.optim`` and funcgrad, both ways, for every
+optimizer funcgrad has a ``torch.optim`` twin of: :func:`state_from_torch` and
+:func:`state_to_torch`.
+
+The funcgrad side is found inside the whole state of ``tx`` (a chain, a named
+chain, ``accumulate``...): exactly one optimizer state (``AdamState``,
+``SGDState``...) must be there. Entries are matched to names by the parameter
+objects (``dict(model.named_parameters())``) or by storage (``fg.params(model)``,
+whose views share the module's memory), and every torch state key maps to one
+field of the funcgrad state, named as in torch where the names agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..core import _flat as flat
+from ..core._base import GradientTransformation, State
+from ..optim._adafactor import AdafactorState
+from ..optim._adagrad import AdagradState
+from ..optim._adam import AdamState
+from ..optim._hparams import slot_fields
+from ..optim._muon import MuonState
+from ..optim._rmsprop import RMSpropState
+from ..optim._sgd import SGDState
+
+
+class _Twin(NamedTuple):
+    """A funcgrad state's ``torch.optim`` form."""
+
+    classes: tuple[type, ...]
+    keys: dict[str, str]  # funcgrad field -> torch state key
+    step: bool  # torch keeps a "step" per parameter
+    fields: Callable[[Mapping[str, Any]], set[str]] | None  # fields in use, from a param group
+
+
+_TWINS: dict[type, _Twin] = {
+    AdamState: _Twin(
+        (torch.optim.Adam, torch.optim.AdamW),
+        {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"},
+        True,
+        lambda g: {"mu", "nu"} | ({"nu_max"} if g["amsgrad"] else set()),
+    ),
+    SGDState: _Twin(
+        (torch.optim.SGD,),
+        {"momentum_buffer": "momentum_buffer"},
+        False,
+        lambda g: {"momentum_buffer"} if g["momentum"] != 0 else set(),
+    ),
+    RMSpropState: _Twin(
+        (torch.optim.RMSprop,),
+        {"square_avg": "square_avg", "momentum_buffer": "momentum_buffer", "grad_avg": "grad_avg"},
+        True,
+        lambda g: (
+            {"square_avg"}
+            | ({"momentum_buffer"} if g["momentum"] > 0 else set())
+            | ({"grad_avg"} if g["centered"] else set())
+        ),
+    ),
+    AdagradState: _Twin((torch.optim.Adagrad,), {"sum": "sum"}, True, lambda g: {"sum"}),
+    AdafactorState: _Twin(
+        (torch.optim.Adafactor,),
+        {"row_var": "row_var", "col_var": "col_var", "variance": "variance"},
+        True,
+        None,  # which fields are in use depends on the shapes, not on options
+    ),
+    MuonState: _Twin(
+        (torch.optim.Muon,),
+        {"momentum_buffer": "momentum_buffer"},
+        False,
+        lambda g: {"momentum_buffer"},
+    ),
+}
+
+
+def _find(state: State, who: str) -> tuple[tuple[Any, ...], Any]:
+    """The path to the one optimizer state inside ``state``, and that state."""
+    found: list[tuple[tuple[Any, ...], Any]] = []
+
+    def walk(x: Any, path: tuple[Any, ...]) -> None:
+        if type(x) in _TWINS:
+            found.append((path, x))
+        elif type(x).__name__ == "ShardedState":
+            raise TypeError(
+                f"{who}: the state is sharded across ranks (fg.sharded); convert the state "
+                "of the unsharded transformation (tx without fg.sharded) and shard that."
+            )
+        elif isinstance(x, tuple):
+            for i, child in enumerate(x):
+                walk(child, (*path, i))
+        elif isinstance(x, Mapping) and not isinstance(x, flat.Flat):
+            for k, child in x.items():
+                walk(child, (*path, k))
+
+    walk(state, ())
+    if len(found) != 1:
+        kinds = sorted(type(x).__name__ for _, x in found) or "none"
+        raise TypeError(
+            f"{who}: expected exactly one optimizer state with a torch.optim twin "
+            f"({', '.join(sorted(t.__name__ for t in _TWINS))}) in the state of tx, found "
+            f"{kinds}. fg.lion has no torch.optim twin; with fg.partition over two "
+            "optimizers, convert each partition's transformation on its own parameters."
+        )
+    return found[0]
+
+
+def _replace(x: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(x, tuple):
+        items = list(x)
+        items[head] = _replace(items[head], rest, new)
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    copy = dict(x)
+    copy[head] = _replace(copy[head], rest, new)
+    return type(x)(copy)
+
+
+def _pairs(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor], who: str
+) -> list[tuple[str, Tensor]]:
+    """``(name, parameter)`` for each of the optimizer's parameters, in its order."""
+    by_id = {id(p): n for n, p in params.items()}
+    by_storage = {(p.data_ptr(), tuple(p.shape), p.dtype): n for n, p in params.items()}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = by_id.get(id(p), by_storage.get((p.data_ptr(), tuple(p.shape), p.dtype)))
+            if name is None:
+                raise KeyError(
+                    f"{who}: a parameter of shape {tuple(p.shape)} in the optimizer is not "
+                    "among params. Pass fg.params(model) or dict(model.named_parameters()) "
+                    "of the model the optimizer was built on."
+                )
+            out.append((name, p))
+    return out
+
+
+def _check_twin(node: Any, optimizer: torch.optim.Optimizer, who: str) -> _Twin:
+    twin = _TWINS[type(node)]
+    if not isinstance(optimizer, twin.classes):
+        names = " or ".join(f"torch.optim.{c.__name__}" for c in twin.classes)
+        raise TypeError(
+            f"{who}: tx keeps an {type(node).__name__}, whose torch.optim twin is {names}; "
+            f"got {type(optimizer).__name__}. Build tx with the same optimizer."
+        )
+    on = {f for f in slot_fields(type(node)) if getattr(node, f)}
+    if twin.fields is not None:
+        for group in optimizer.param_groups:
+            want = twin.fields(group)
+            if want != on:
+                raise ValueError(
+                    f"{who}: the torch optimizer's options keep state {sorted(want)} but tx "
+                    f"keeps {sorted(on)}; build both with the same options (momentum, "
+                    "centered, amsgrad)."
+                )
+    return twin
+
+
+def state_from_torch(
+    tx: GradientTransformation,
+    torch_optimizer: torch.optim.Optimizer,
+    params: Mapping[str, Tensor],
+    *,
+    count: int | None = None,
+) -> State:
+    """The state of ``tx`` with its optimizer's state taken from a ``torch.optim`` one.
+
+    ``tx`` is the funcgrad optimizer built with ``torch_optimizer``'s hyperparameters
+    (``fg.sgd`` for ``SGD``, ``fg.rmsprop``, ``fg.adagrad``, ``fg.adafactor``,
+    ``fg.muon``, ``fg.adam``/``fg.adamw``), alone or inside a chain: the rest of the
+    state is ``tx.init(params)``'s. The step counter is torch's ``"step"``; SGD and
+    Muon keep none, so ``count`` is 1 once they hold momentum buffers (0 before)
+    unless given (pass the steps taken when a schedule reads it). A parameter the
+    optimizer has no state for yet starts as ``tx.init`` starts it.
+
+    Args:
+        tx: the funcgrad transformation to continue with.
+        torch_optimizer: the torch optimizer, possibly before its first step.
+        params: ``fg.params(model)`` or ``dict(model.named_parameters())``.
+        count: the step count, for optimizers whose torch state has none.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> tx = fg.sgd(lr=0.1, momentum=0.9)
+        >>> state = fg.state_from_torch(tx, opt, fg.params(model))
+        >>> int(state.count), state.momentum_buffer["bias"]
+        (1, tensor([1.]))
+    """
+    who = "fg.state_from_torch"
+    template = tx.init(params)  # type: ignore[arg-type]
+    path, node = _find(template, who)
+    twin = _check_twin(node, torch_optimizer, who)
+    pairs = _pairs(torch_optimizer, params, who)
+    by_name = dict(pairs)
+    fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
+    mine = set().union(*(getattr(node, f).keys() for f in fields)) if fields else set()
+    if mine - by_name.keys():
+        raise KeyError(
+            f"{who}: tx keeps state for {sorted(mine - by_name.keys())}, which the torch "
+            "optimizer does not hold; build both on the same parameters."
+        )
+    held = [torch_optimizer.state[p] for _, p in pairs if torch_optimizer.state.get(p)]
+    new: dict[str, Any] = {}
+    for f in fields:
+        start = getattr(node, f)
+        out = {}
+        for name in start:
+            value = torch_optimizer.state.get(by_name[name], {}).get(twin.keys[f])
+            out[name] = start[name] if value is None else _fit(value, start[name], name, f, who)
+        new[f] = flat.like(out, start.layout if isinstance(start, flat.Flat) else None)
+    n = _count(twin, held, count, who)
+    device = node.count.device
+    fresh = type(node)(
+        torch.tensor(n, dtype=torch.int64, device=device),
+        *(new.get(f, {}) for f in slot_fields(type(node))),
+        lr=node.lr,
+    )
+    return _replace(template, path, fresh)
+
+
+def _fit(value: Tensor, start: Tensor, name: str, field: str, who: str) -> Tensor:
+    if tuple(value.shape) != tuple(start.shape):
+        raise ValueError(
+            f"{who}: torch's state for '{name}' ({field}) has shape {tuple(value.shape)}, "
+            f"tx expects {tuple(start.shape)}."
+        )
+    return value.detach().to(dtype=start.dtype, device=start.device, copy=True)
+
+
+def _count(twin: _Twin, held: list[dict[str, Any]], count: int | None, who: str) -> int:
+    if twin.step:
+        steps = {int(st["step"]) for st in held if "step" in st}
+        if len(steps) > 1:
+            raise ValueError(
+                f"{who}: the optimizer's parameters are at different steps {sorted(steps)}; "
+                "funcgrad keeps one step counter per transformation. Convert after a step "
+                "that updated every parameter."
+            )
+        found = steps.pop() if steps else 0
+        if count is not None and count != found:
+            raise ValueError(f"{who}: count={count}, but the torch state is at step {found}.")
+        return found
+    buffered = any(st.get("momentum_buffer") is not None for st in held)
+    if count is None:
+        return 1 if buffered else 0
+    if isinstance(count, bool) or not isinstance(count, int) or count < int(buffered):
+        raise ValueError(
+            f"{who}: count={count!r}; expected an int >= {int(buffered)} (the optimizer "
+            f"{'holds' if buffered else 'holds no'} momentum buffers)."
+        )
+    return count
+
+
+def state_to_torch(
+    tx: GradientTransformation,
+    state: State,
+    torch_optimizer: torch.optim.Optimizer,
+    params: Mapping[str, Tensor],
+) -> None:
+    """Write the optimizer state inside ``state`` (of ``tx``) into ``torch_optimizer``.
+
+    The reverse of :func:`state_from_torch`: the torch optimizer, built with the
+    same hyperparameters, then continues as funcgrad would have.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> tx = fg.rmsprop(lr=0.01, momentum=0.9)
+        >>> params = fg.params(model)
+        >>> opt = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.9)
+        >>> fg.state_to_torch(tx, tx.init(params), opt, params)
+        >>> sorted(opt.state[model.weight])
+        ['momentum_buffer', 'square_avg', 'step']
+    """
+    who = "fg.state_to_torch"
+    _, node = _find(state, who)
+    _, like = _find(tx.init(params), who)  # type: ignore[arg-type]
+    if type(like) is not type(node):
+        raise TypeError(
+            f"{who}: the state holds an {type(node).__name__} but tx keeps an "
+            f"{type(like).__name__}; pass the state tx made."
+        )
+    twin = _check_twin(node, torch_optimizer, who)
+    fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
+    # torch's step dtype (torch.optim.optimizer._get_scalar_dtype): float64 only when
+    # that is the default dtype.
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for name, p in _pairs(torch_optimizer, params, who):
+        entry: dict[str, Any] = {}
+        if twin.step:
+            entry["step"] = torch.tensor(float(node.count), dtype=step_dtype)
+        for f in fields:
+            tensors = getattr(node, f)
+            if name in tensors:
+                entry[twin.keys[f]] = tensors[name].detach().to(p.dtype).clone()
+        if fields and not any(twin.keys[f] in entry for f in fields):
+            raise KeyError(
+                f"{who}: the state has no entries for the optimizer's parameter '{name}'."
+            )
+        torch_optimizer.state[p] = entry
+
+
+# --- Adam/AdamW state by parameter name (fg.adam_state_from_torch / _to_torch) ---
+
+
+def _names_by_identity(
+    optimizer: torch.optim.Optimizer, named_params: Mapping[str, Tensor], who: str
+) -> list[tuple[str, Tensor]]:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(
+            f"{who}: expected a torch.optim.Adam or AdamW, got {type(optimizer).__name__}; "
+            "only Adam-family state maps onto fg.adam / fg.adamw."
+        )
+    by_id = {id(p): n for n, p in named_params.items()}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise KeyError(
+                    f"{who}: a parameter of shape {tuple(p.shape)} in the optimizer is not among "
+                    "named_params. Pass dict(model.named_parameters()) of the model the "
+                    "optimizer was built on (the same Parameter objects)."
+                )
+            out.append((by_id[id(p)], p))
+    return out
+
+
+def _amsgrad(optimizer: torch.optim.Optimizer, who: str) -> bool:
+    flags = {bool(g["amsgrad"]) for g in optimizer.param_groups}
+    if len(flags) > 1:
+        raise ValueError(
+            f"{who}: param groups disagree on amsgrad; funcgrad keeps one setting per tx."
+        )
+    return flags.pop()
+
+
+def adam_state_from_torch(
+    optimizer: torch.optim.Optimizer, named_params: Mapping[str, Tensor]
+) -> AdamState:
+    """The :class:`funcgrad.AdamState` equal to a ``torch.optim.Adam``/``AdamW`` state.
+
+    Continue with ``fg.adam``/``fg.adamw`` built with the optimizer's hyperparameters
+    (lr, betas, eps, weight_decay, amsgrad, maximize); the step counter, moments and
+    (with amsgrad) max second moments are copied.
+
+    Args:
+        optimizer: the torch optimizer, possibly with no state yet (step 0).
+        named_params: ``dict(model.named_parameters())``: the optimizer's parameters,
+            matched by identity, give the names.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> state = fg.adam_state_from_torch(opt, dict(model.named_parameters()))
+        >>> int(state.count), sorted(state.mu)
+        (1, ['bias', 'weight'])
+    """
+    who = "fg.adam_state_from_torch"
+    pairs = _names_by_identity(optimizer, named_params, who)
+    amsgrad = _amsgrad(optimizer, who)
+    steps = {int(optimizer.state[p]["step"]) if p in optimizer.state else 0 for _, p in pairs}
+    if len(steps) > 1:
+        raise ValueError(
+            f"{who}: the optimizer's parameters are at different steps {sorted(steps)}; funcgrad "
+            "keeps one step counter per transformation. Convert after a step that updated "
+            "every parameter, or use fg.partition with one adam per group of parameters."
+        )
+    count = steps.pop() if steps else 0
+    mu, nu, nu_max = {}, {}, {}
+    for name, p in pairs:
+        st = optimizer.state.get(p, {})
+
+        def take(key: str, st: dict = st, p: Tensor = p) -> Tensor:
+            # No state yet (step 0): torch would start from zeros.
+            return st[key].detach().clone() if st else torch.zeros_like(p).detach()
+
+        mu[name], nu[name] = take("exp_avg"), take("exp_avg_sq")
+        if amsgrad:
+            nu_max[name] = take("max_exp_avg_sq")
+    device = pairs[0][1].device if pairs else torch.device("cpu")
+    return AdamState(torch.tensor(count, dtype=torch.int64, device=device), mu, nu, nu_max)
+
+
+def adam_state_to_torch(
+    state: AdamState, optimizer: torch.optim.Optimizer, named_params: Mapping[str, Tensor]
+) -> None:
+    """Write a funcgrad :class:`AdamState` into ``optimizer.state`` (the reverse).
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> tx = fg.adam()
+        >>> state = tx.init(fg.params(model))
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> fg.adam_state_to_torch(state, opt, dict(model.named_parameters()))
+        >>> float(opt.state[model.weight]["step"])
+        0.0
+    """
+    who = "fg.adam_state_to_torch"
+    if not isinstance(state, AdamState):
+        raise TypeError(f"{who}: expected an fg.AdamState, got {type(state).__name__}.")
+    pairs = _names_by_identity(optimizer, named_params, who)
+    amsgrad = _amsgrad(optimizer, who)
+    if amsgrad != bool(state.nu_max):
+        raise ValueError(
+            f"{who}: the optimizer has amsgrad={amsgrad} but the state was made with "
+            f"amsgrad={bool(state.nu_max)}; build both with the same setting."
+        )
+    missing = sorted(n for n, _ in pairs if n not in state.mu)
+    if missing:
+        raise KeyError(f"{who}: the state has no entries for the optimizer's parameters {missing}.")
+    for name, p in pairs:
+        # torch.optim keeps "step" as a float32 CPU tensor unless capturable/fused.
+        entry = {
+            "step": torch.tensor(float(state.count), dtype=torch.float32),
+            "exp_avg": state.mu[name].detach().clone(),
+            "exp_avg_sq": state.nu[name].detach().clone(),
+        }
+        if amsgrad:
+            entry["max_exp_avg_sq"] = state.nu_max[name].detach().clone()
+        optimizer.state[p] = entry

@@ -1,0 +1,318 @@
+"""What every optimizer after Adam shares: one step written once, per tensor.
+
+An optimizer here is a :class:`Spec`: its state type (a NamedTuple ``count`` first,
+then one dict per kind of slot, e.g. ``momentum_buffer``), how each slot starts, the
+step's scalars (learning rate, bias corrections) as float64 0-d tensors, and a
+*kernel*: the update of one tensor from its gradient, parameter and slots, written
+without in-place ops. :func:`build` turns it into a ``GradientTransformation`` that
+
+- checks the state against the gradients (another optimizer's or model's state is
+  a clear error, not a wrong step);
+- runs the kernel over whole flat buffers when the optimizer is elementwise and the
+  parameters come from ``fg.params(model)`` (one tensor per dtype, so the eager step
+  makes a handful of kernel calls and the compiled step a handful of loops), else
+  over per-name tensors (views of the buffers for ``fg.Flat``);
+- computes float16/bfloat16 in float32 and stores the slots in their own dtype
+  (torch's opmath), the update left in float32 for ``apply_updates`` to round once.
+
+There is one code path: the eager step is the traced math, so it is also what runs
+under ``torch.func`` transforms and differentiating autograd (no fast path to
+refuse: see funcgrad/core/_compose.py), bit for bit what ``torch.compile`` traces before
+inductor fuses it. Kernels take their elementwise operations from :class:`Ops`:
+inside the eager donated step each large result is written into a buffer kept from
+the previous step (``out=``) instead of a fresh allocation, whose pages would all
+fault on first write (funcgrad/core/_scratch.py) - the same operations, the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..core import _flat as flat
+from ..core._base import (
+    GradientTransformation,
+    Params,
+    check_floating,
+    check_state,
+    has_lr,
+    params_device,
+)
+from ..core._compose import composing
+from ..core._fusion import realize
+from ..core._scratch import BIG, Scratch, borrowing
+from ._hparams import (
+    DecayMask,
+    LearningRate,
+    compute_dtype,
+    lr_now,
+    lr_start,
+    mask_resolver,
+    slot_fields,
+)
+
+Scalars = dict[str, Tensor]
+"""The step's scalars by name, 0-d tensors (float64 from :attr:`Spec.scalars`, cast
+to each compute dtype once before the kernel sees them)."""
+
+
+class Ops:
+    """The elementwise operations of a kernel, each ``torch``'s own; with a scratch
+    (the eager donated step), a result of at least ``BIG`` entries is written into a
+    borrowed buffer (``out=``) instead of a new one. Same operations, same values."""
+
+    def __init__(self, scratch: Scratch | None = None) -> None:
+        self.scratch = scratch
+
+    def _call(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
+        if self.scratch is not None:
+            tensors = [a for a in args if isinstance(a, Tensor)]
+            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+            if math.prod(shape) >= BIG:
+                if fn is torch.where:
+                    dtype = torch.result_type(args[1], args[2])
+                elif len(args) == 1:
+                    dtype = args[0].dtype
+                else:
+                    dtype = torch.result_type(args[0], args[1])
+                out = self.scratch.empty(tuple(shape), dtype, tensors[0].device)
+                return fn(*args, out=out)
+        return fn(*args)
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.add, a, b)
+
+    def sub(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.sub, a, b)
+
+    def mul(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.mul, a, b)
+
+    def div(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.div, a, b)
+
+    def lerp(self, a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
+        return self._call(torch.lerp, a, b, weight)
+
+    def where(self, cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.where, cond, a, b)
+
+    def sqrt(self, a: Tensor) -> Tensor:
+        return self._call(torch.sqrt, a)
+
+    def sign(self, a: Tensor) -> Tensor:
+        return self._call(torch.sign, a)
+
+    def neg(self, a: Tensor) -> Tensor:
+        return self._call(torch.neg, a)
+
+
+PLAIN = Ops()
+"""Operations that allocate their results (traced, transformed, or outside a step)."""
+
+
+class Entry(NamedTuple):
+    """What a kernel sees of one tensor: its ``name`` (``"0"``, ``"1"``... for a whole
+    flat buffer), gradient ``g``, parameter ``p`` (None when not passed) and ``slots``
+    in the compute dtype, the step's scalars ``s`` in that dtype, whether weight
+    decay applies (``decays``), the dtype the parameter is ``stored`` in, and the
+    operations ``o`` to compute with (:class:`Ops`)."""
+
+    name: str
+    g: Tensor
+    p: Tensor | None
+    slots: dict[str, Tensor]
+    s: Scalars
+    decays: bool
+    stored: torch.dtype
+    o: Ops = PLAIN
+
+
+Kernel = Callable[[Entry], tuple[Tensor, dict[str, Tensor]]]
+"""One tensor's update and new slots (only the slots it changes), in the compute dtype."""
+
+
+class Spec(NamedTuple):
+    """One optimizer, for :func:`build` (see the module docstring).
+
+    ``slots``: the state fields in use, each with how it starts from a tensor (a
+    whole buffer or one parameter); ``None`` means the tensor has no such slot
+    (Adafactor: row factors only for matrices). Fields of ``state`` not in ``slots``
+    stay empty dicts. ``scalars(count, lr)``: the step's float64 scalars, ``count``
+    the new step count (1 on the first step). ``needs_params``: the kernel reads the
+    parameters (weight decay, Adafactor's scale). ``elementwise``: each output entry
+    depends only on the same entry of the inputs, so the kernel may run on whole
+    flat buffers. ``has_decay``: the optimizer has weight decay, applied where
+    ``mask`` says (the kernel's ``decays`` flag; always False without it).
+    """
+
+    who: str
+    state: Any  # a NamedTuple class: count, then the slot fields
+    slots: Mapping[str, Callable[[Tensor], Tensor | None]]
+    scalars: Callable[[Tensor, Tensor], dict[str, Tensor]]
+    kernel: Kernel
+    lr: LearningRate
+    needs_params: bool
+    elementwise: bool
+    has_decay: bool = False
+    mask: DecayMask = None
+
+
+def build(spec: Spec) -> GradientTransformation:
+    """The transformation of ``spec`` (see the module docstring)."""
+    who, fields = spec.who, slot_fields(spec.state)
+    decays = mask_resolver(spec.mask, who)
+
+    def init(params: Params) -> Any:
+        check_floating(params, f"{who}.init")
+        decays(params)  # a mask for other parameters fails here, not at the first step
+        count = torch.zeros((), dtype=torch.int64, device=params_device(params))
+        slots = (_start(spec, f, params) for f in fields)
+        return spec.state(count, *slots, lr=lr_start(spec.lr, count))
+
+    def update(grads: Params, state: Any, params: Params | None = None) -> tuple[Params, Any]:
+        check_state(state, spec.state, who)
+        _check_names(spec, state, grads)
+        if spec.needs_params and params is None:
+            raise ValueError(
+                f"{who} needs the parameters (for its weight decay or scale): call "
+                "tx.update(grads, state, params)."
+            )
+        decay = decays(params) if spec.has_decay and params is not None else {}
+        count = state.count + 1
+        s64 = spec.scalars(count, lr_now(spec.lr, state.lr, state.count))
+        slots = {f: getattr(state, f) for f in spec.slots}
+        layout = flat.layout_of(grads, params, *slots.values())
+        per_buffer = (
+            decay_per_buffer(decay, layout) if spec.elementwise and layout is not None else None
+        )
+        if layout is not None and per_buffer is not None:
+            assert layout is not None
+            grads = flat.pack(grads, layout)
+            if params is not None:
+                params = flat.pack(params, layout)
+            out, new = _run(
+                spec,
+                flat.by_buffer(grads),
+                None if params is None else flat.by_buffer(params),
+                {f: flat.by_buffer(flat.pack(t, layout)) for f, t in slots.items()},
+                per_buffer,
+                s64,
+            )
+            updates = flat.from_buffers(out, layout)
+            moved = {f: flat.from_buffers(t, layout) for f, t in new.items()}
+        else:
+            out, new = _run(
+                spec,
+                _views(grads),
+                None if params is None else _views(params),
+                {f: _views(t) for f, t in slots.items()},
+                decay,
+                s64,
+            )
+            keep = layout if spec.elementwise else None  # state stays in its layout
+            updates, moved = out, {f: flat.like(t, keep) for f, t in new.items()}
+        return updates, spec.state(count, *(moved.get(f, {}) for f in fields), lr=state.lr)
+
+    return has_lr(GradientTransformation(init, update), spec.lr)
+
+
+def _start(spec: Spec, field: str, params: Params) -> Any:
+    """The field's starting dict (flat for an elementwise optimizer on ``fg.Flat``)."""
+    start = spec.slots.get(field)
+    if start is None:
+        return {}
+    if spec.elementwise and isinstance(params, flat.Flat):
+        return flat.Flat([_started(start, b) for b in params.buffers], params.layout)
+    return {k: t for k, p in params.items() if (t := start(p.detach())) is not None}
+
+
+def _started(start: Callable[[Tensor], Tensor | None], t: Tensor) -> Tensor:
+    out = start(t.detach())
+    assert out is not None  # elementwise slots exist for every tensor
+    return out
+
+
+def _views(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return tree.views() if isinstance(tree, flat.Flat) else dict(tree)
+
+
+def _check_names(spec: Spec, state: Any, grads: Params) -> None:
+    """The state's slots cover exactly the gradients' names, with the options in use."""
+    fields = slot_fields(spec.state)
+    on = [f for f in fields if f in spec.slots]
+    stray = [f for f in fields if f not in spec.slots and getattr(state, f)]
+    named: set[str] = set()
+    for f in on:
+        named |= set(getattr(state, f))
+    ok = not stray and (not on or named == set(grads))
+    if spec.elementwise:
+        ok = ok and all(getattr(state, f).keys() == grads.keys() for f in on)
+    if not ok:
+        have = sorted(named) if named else "no slots"
+        raise KeyError(
+            f"{spec.who}.update: the state does not fit these gradients: it holds "
+            f"{[f for f in fields if getattr(state, f)] or 'no slots'} for {have}, while "
+            f"this {spec.who} keeps {on or 'no slots'} for {sorted(grads)}. Was the state "
+            "built by another transformation, with other options, or for another model?"
+        )
+
+
+def decay_per_buffer(decay: Mapping[str, bool], layout: flat.Layout) -> dict[str, bool] | None:
+    """Weight decay per buffer (keyed as :func:`funcgrad.core._flat.by_buffer`), or None
+    where a mask decays some of a buffer's tensors and not others."""
+    out: dict[str, bool] = {}
+    for b in range(len(layout.sizes)):
+        flags = {decay.get(n, False) for n in layout.names_in(b)}
+        if len(flags) > 1:
+            return None
+        out[str(b)] = flags.pop()
+    return out
+
+
+def _realized(scalars: Scalars) -> Scalars:
+    """Traced, the 0-d scalars computed once into one buffer (``realize``), not again
+    for every vector of every update loop, where the C++ compiler cannot hoist them
+    (Adagrad's decayed learning rate is a float64 division); the same values."""
+    if not scalars or not torch.compiler.is_compiling():
+        return scalars
+    if any(v.dim() != 0 for v in scalars.values()):
+        return scalars
+    return dict(zip(scalars, realize(torch.stack(list(scalars.values()))).unbind(0), strict=True))
+
+
+def _run(
+    spec: Spec,
+    grads: Mapping[str, Tensor],
+    params: Mapping[str, Tensor] | None,
+    slots: dict[str, Mapping[str, Tensor]],
+    decay: Mapping[str, bool],
+    s64: dict[str, Tensor],
+) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+    """The kernel on each tensor, in its compute dtype; slots stored back in theirs."""
+    per_dtype: dict[torch.dtype, Scalars] = {}
+    first = next(iter(grads.values()), None)
+    scratch = borrowing(first) if first is not None else None
+    if scratch is not None and composing(grads, params, *slots.values()):
+        scratch = None
+    ops = PLAIN if scratch is None else Ops(scratch)
+    updates: dict[str, Tensor] = {}
+    new: dict[str, dict[str, Tensor]] = {f: {} for f in slots}
+    for k, g in grads.items():
+        mine = {f: t[k] for f, t in slots.items() if k in t}
+        sdt = params[k].dtype if params is not None else g.dtype
+        dt = compute_dtype(sdt)
+        if dt not in per_dtype:
+            per_dtype[dt] = _realized({n: v.to(dt) for n, v in s64.items()})
+        p = None if params is None else params[k].to(dt)
+        slots_dt = {f: t.to(dt) for f, t in mine.items()}
+        entry = Entry(k, g.to(dt), p, slots_dt, per_dtype[dt], decay.get(k, False), sdt, ops)
+        u, out = spec.kernel(entry)
+        updates[k] = u
+        for f, t in out.items():
+            new[f][k] = t.to(mine[f].dtype)
+    return updates, new

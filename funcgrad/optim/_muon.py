@@ -1,0 +1,176 @@
+r"""Functional Muon, step-for-step equal to ``torch.optim.Muon`` (2-D parameters).
+
+Muon replaces each weight matrix's momentum by its nearest semi-orthogonal matrix
+(five Newton–Schulz iterations in bfloat16, as torch and Keller Jordan's reference
+run them). With gradient :math:`G`, parameters :math:`W` of shape ``(A, B)``::
+
+    B_t  = lerp(B_{t-1}, G, 1 - momentum)
+    M    = lerp(G, B_t, momentum)               if nesterov, else B_t
+    O    = NewtonSchulz(M)                      (bfloat16)
+    u_t  = -lr * wd * W - lr * ratio * O         (weight decay where mask says so)
+
+``ratio`` is ``sqrt(max(1, A / B))`` (``adjust_lr_fn=None`` or ``"original"``) or
+``0.2 * sqrt(max(A, B))`` (``"match_rms_adamw"``, so that the update's RMS matches
+AdamW's). Muon is for the hidden 2-D weights only: embeddings, the output head,
+biases and norms go to AdamW (``fg.partition``, see ``docs/optimizers.md``).
+
+Under ``fg.sharded`` each matrix is gathered whole for the iteration (one
+all-gather of the momentum per matrix) and every rank keeps its rows of the result.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..core._base import GradientTransformation, Params, shardable
+from ..core._invariants import invariants
+from ..rules import _rule_base as rb
+from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper
+from ._kernel import Entry, Spec, build
+from ._sgd import nonzero
+
+
+class MuonState(NamedTuple):
+    """State of :func:`muon`: ``count`` (int64 0-d) and the ``momentum_buffer``."""
+
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
+    momentum_buffer: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+
+
+invariants(MuonState, count="nonnegative", momentum_buffer="finite", lr="finite nonnegative")
+
+_RATIOS = (None, "original", "match_rms_adamw")
+
+
+def orthogonalize(
+    m: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> Tensor:
+    """Newton–Schulz iteration towards the nearest semi-orthogonal matrix, in bfloat16,
+    the operations of ``torch.optim.Muon`` in its order."""
+    a, b, c = coefficients
+    o = m.bfloat16()
+    tall = m.shape[-2] > m.shape[-1]
+    if tall:
+        o = o.mT
+    o = o / o.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = o @ o.mT
+        o = torch.addmm(o, torch.addmm(gram, gram, gram, beta=b, alpha=c), o, beta=a)
+    return o.mT if tall else o
+
+
+def _ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def _check_matrices(params: Params) -> None:
+    flat = {k: tuple(p.shape) for k, p in params.items() if p.dim() != 2}
+    if flat:
+        raise ValueError(
+            f"fg.muon: {flat} are not 2-D; Muon orthogonalizes weight matrices only (as "
+            "torch.optim.Muon). Give the other parameters to AdamW with fg.partition: "
+            "labels = {n: 'muon' if p.ndim == 2 else 'adamw' for n, p in params.items()}; "
+            "tx = fg.partition({'muon': fg.muon(), 'adamw': fg.adamw()}, labels) "
+            "(docs/optimizers.md; keep embeddings and the output head on AdamW too)."
+        )
+
+
+def muon(
+    lr: LearningRate = 1e-3,
+    weight_decay: Hyper = 0.1,
+    momentum: Hyper = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+    eps: float = 1e-7,
+    ns_steps: int = 5,
+    adjust_lr_fn: str | None = None,
+    mask: DecayMask = None,
+) -> GradientTransformation:
+    """Muon, equal step for step to ``torch.optim.Muon`` with the same arguments.
+
+    The update rule is in this module's docstring. Every parameter must be 2-D (a
+    clear error otherwise: use ``fg.partition`` with AdamW for the rest). ``mask``:
+    where weight decay applies (as ``fg.adamw``'s; torch's Muon decays all of its
+    parameters).
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.muon(lr=0.02, weight_decay=0.0)
+        >>> params = {"w": torch.zeros(4, 4)}
+        >>> updates, _ = tx.update({"w": torch.eye(4)}, tx.init(params), params)
+        >>> round(float(torch.linalg.matrix_norm(updates["w"], ord=2)), 2)  # about lr
+        0.02
+    """
+    check_lr(lr)
+    check_number(momentum, "momentum", lambda v: v >= 0.0, "momentum should be >= 0 but is: {}")
+    check_number(
+        weight_decay, "weight decay", lambda v: v >= 0.0, "weight decay should be >= 0 but is: {}"
+    )
+    if adjust_lr_fn not in _RATIOS:
+        raise ValueError(
+            f"Adjust learning rate function {adjust_lr_fn} is not supported; use None, "
+            "'original' or 'match_rms_adamw'."
+        )
+    if not (isinstance(ns_coefficients, (tuple, list)) and len(ns_coefficients) == 3):
+        raise ValueError(f"Coefficients must be a tuple of exactly 3 values: {ns_coefficients!r}")
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"Invalid ns_steps: {ns_steps!r}; expected an int in [0, 100).")
+    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
+    coeffs = (float(ns_coefficients[0]), float(ns_coefficients[1]), float(ns_coefficients[2]))
+    m, wd = hyper(momentum), hyper(weight_decay)
+    has_decay = nonzero(wd)
+
+    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
+        mom = as64(m, count)
+        s = {"lr": lr_t, "momentum": mom, "one_minus_momentum": 1.0 - mom}
+        if has_decay:
+            s["neg_lr_wd"] = -lr_t * as64(wd, count)
+        return s
+
+    def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
+        g, p, s = e.g, e.p, e.s
+        if g.dim() != 2:
+            _check_matrices({e.name: g})
+        buf = torch.lerp(e.slots["momentum_buffer"], g, s["one_minus_momentum"])
+        mom = torch.lerp(g, buf, s["momentum"]) if nesterov else buf
+        shards = rb.shards()  # fg.sharded: the whole matrix, this rank's rows of O
+
+        def ortho(whole: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {e.name: orthogonalize(whole[e.name], coeffs, ns_steps, float(eps))}
+
+        o = ortho({e.name: mom}) if shards is None else shards.on_whole(ortho, {e.name: mom})
+        cols = g.shape[-1]
+        rows = g.shape[-2] if shards is None else shards.numel(e.name) // cols
+        u = o[e.name].to(g.dtype) * (s["lr"] * -_ratio(adjust_lr_fn, rows, cols))
+        if e.decays:
+            assert p is not None
+            u = u + s["neg_lr_wd"] * p
+        return u, {"momentum_buffer": buf}
+
+    build_tx = build(
+        Spec(
+            who="fg.muon",
+            state=MuonState,
+            slots={"momentum_buffer": torch.zeros_like},
+            scalars=scalars,
+            kernel=kernel,
+            lr=lr,
+            needs_params=has_decay,
+            elementwise=False,
+            has_decay=has_decay,
+            mask=mask,
+        )
+    )
+
+    def init(params: Params) -> MuonState:
+        _check_matrices(params)
+        return build_tx.init(params)  # type: ignore[no-any-return]
+
+    return shardable(GradientTransformation(init, build_tx.update))

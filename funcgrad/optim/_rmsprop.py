@@ -1,0 +1,136 @@
+"""Functional RMSprop, step-for-step equal to ``torch.optim.RMSprop`` with the same
+arguments (the update math: :func:`rmsprop`'s docstring)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..core._base import GradientTransformation, shardable
+from ..core._invariants import invariants
+from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper
+from ._kernel import Entry, Spec, build
+from ._sgd import nonzero
+
+
+class RMSpropState(NamedTuple):
+    """State of :func:`rmsprop`: ``count`` (int64 0-d), ``square_avg``, and the
+    ``momentum_buffer`` (with momentum) and ``grad_avg`` (centered), else empty dicts.
+    Field names are torch's state keys."""
+
+    count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
+    square_avg: dict[str, Tensor]
+    momentum_buffer: dict[str, Tensor]
+    grad_avg: dict[str, Tensor]
+    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+
+
+invariants(
+    RMSpropState,
+    count="nonnegative",
+    square_avg="finite nonnegative",
+    momentum_buffer="finite",
+    grad_avg="finite",
+    lr="finite nonnegative",
+)
+
+
+def _check_decay(weight_decay: Hyper) -> None:
+    check_number(
+        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
+    )
+
+
+def rmsprop(
+    lr: LearningRate = 1e-2,
+    alpha: Hyper = 0.99,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
+    momentum: Hyper = 0.0,
+    centered: bool = False,
+    maximize: bool = False,
+    mask: DecayMask = None,
+) -> GradientTransformation:
+    r"""RMSprop, equal step for step to ``torch.optim.RMSprop`` with the same arguments.
+
+    With gradient :math:`g_t` and parameters :math:`p`::
+
+        g_t <- -g_t                                   if maximize
+        g_t <- g_t + wd * p                           if wd != 0 (where mask says so)
+        v_t  = alpha * v_{t-1} + (1 - alpha) g_t^2
+        a_t  = lerp(a_{t-1}, g_t, 1 - alpha)          if centered
+        d_t  = sqrt(v_t - a_t^2) + eps                if centered, else sqrt(v_t) + eps
+        b_t  = momentum * b_{t-1} + g_t / d_t         if momentum != 0
+        u_t  = -lr * b_t                              if momentum != 0, else -lr * g_t / d_t
+
+    ``lr``: a float, a 0-d tensor or a
+    schedule; the other numbers floats or 0-d tensors. ``mask``: where weight decay
+    applies (as ``fg.adamw``'s).
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.rmsprop(lr=0.01, alpha=0.5)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> updates, _ = tx.update({"w": torch.tensor([2.0])}, tx.init(params), params)
+        >>> updates  # -0.01 * 2 / sqrt(0.5 * 4)
+        {'w': tensor([-0.0141])}
+    """
+    check_lr(lr)
+    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
+    check_number(momentum, "momentum value", lambda v: v >= 0.0, "Invalid momentum value: {}")
+    _check_decay(weight_decay)
+    check_number(alpha, "alpha value", lambda v: v >= 0.0, "Invalid alpha value: {}")
+    a, e, wd, m = hyper(alpha), hyper(eps), hyper(weight_decay), hyper(momentum)
+    has_decay, has_momentum = nonzero(wd), nonzero(m)
+
+    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
+        s = {"neg_lr": -lr_t, "alpha": as64(a, count), "eps": as64(e, count)}
+        s["one_minus_alpha"] = 1.0 - s["alpha"]
+        if has_decay:
+            s["wd"] = as64(wd, count)
+        if has_momentum:
+            s["momentum"] = as64(m, count)
+        return s
+
+    def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
+        g, p, slots, s, o = e.g, e.p, e.slots, e.s, e.o
+        if maximize:
+            g = o.neg(g)
+        if e.decays:
+            assert p is not None
+            g = o.add(g, o.mul(s["wd"], p))
+        # torch's addcmul(g, g, value=c) computes (c * g) * g
+        v = o.add(o.mul(slots["square_avg"], s["alpha"]), o.mul(o.mul(s["one_minus_alpha"], g), g))
+        out = {"square_avg": v}
+        if centered:
+            avg_g = o.lerp(slots["grad_avg"], g, s["one_minus_alpha"])
+            out["grad_avg"] = avg_g
+            denom = o.add(o.sqrt(o.sub(v, o.mul(avg_g, avg_g))), s["eps"])
+        else:
+            denom = o.add(o.sqrt(v), s["eps"])
+        if has_momentum:
+            buf = o.add(o.mul(slots["momentum_buffer"], s["momentum"]), o.div(g, denom))
+            out["momentum_buffer"] = buf
+            return o.mul(buf, s["neg_lr"]), out
+        return o.mul(o.div(g, denom), s["neg_lr"]), out
+
+    slots = {"square_avg": torch.zeros_like}
+    if has_momentum:
+        slots["momentum_buffer"] = torch.zeros_like
+    if centered:
+        slots["grad_avg"] = torch.zeros_like
+    spec = Spec(
+        who="fg.rmsprop",
+        state=RMSpropState,
+        slots=slots,
+        scalars=scalars,
+        kernel=kernel,
+        lr=lr,
+        needs_params=has_decay,
+        elementwise=True,
+        has_decay=has_decay,
+        mask=mask,
+    )
+    return shardable(build(spec), by_entry=not callable(mask))

@@ -1,0 +1,480 @@
+"""Training steps: gradients, transformation and update as one pure function.
+
+``make_step`` builds ``step(params, state, *batch) -> (params, state, loss)``: it
+checks its arguments, then dispatches to one of three step builders and wraps what it
+returns in the one step function that runs the checks and explains errors.
+
+What the builders share (:func:`_core`, and the checks in ``make_step``):
+
+- :class:`funcgrad.step._checks.Checks`: everything that needs Python (names, structure,
+  batch arity, donation safety) runs before tracing, so the traced step is pure
+  tensor code;
+- :func:`_gradients`: ``torch.func.grad`` of the loss, or per-sample gradients
+  (built from the same vmapped function as ``fg.per_sample_grads``, in
+  ``_per_sample.py``);
+- ``compute``: ``tx.update`` + ``apply_updates``, a pure function.
+
+The builders: :func:`_eager_step` (``compile=False``): with ``donate=True``,
+:func:`funcgrad.core._tree.commit` writes every result into the given tensors afterwards,
+in one multi-tensor copy; :func:`_compiled_step` (``compile=True``): the graph writes
+them itself, each write made to depend on every gradient (:func:`_after_gradients`),
+with Ctrl-C held back while the graph runs; :func:`_gradients_step`
+(``compile="gradients"``): the gradient function compiled (a graph that writes
+nothing), the rest as in the eager step.
+
+So a step whose forward or backward raises (eagerly: anything in the step) changes
+nothing, an interrupted step is applied whole or not at all, and params and state are
+never left half-updated. What the compiled step does not cover: an exception raised
+*inside* a custom transformation at run time, after writes began (funcgrad's own
+transformations have no run-time failure); a two-phase write for that would cost a
+second pass over everything (docs/compile-notes.md, "Figures behind the code").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+from torch.func import grad_and_value
+
+from ..core._base import (
+    GradientTransformation,
+    LossFn,
+    Params,
+    State,
+    apply_updates,
+    updates_as_params,
+)
+from ..core._compose import transform_active
+from ..core._flat import Flat, leaves
+from ..core._scratch import Scratch, lending
+from ..core._tree import commit, copy_into, sigint_held, tree_map
+from ._checks import Checks, compile_scope
+from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
+from ._model import watching_buffers
+from ._per_sample import vmapped_grads
+
+
+def _gradients(
+    loss_fn: LossFn, has_aux: bool, per_sample: GradientTransformation | None, buffers: bool
+) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
+    """``fn(params, [buffers,] *batch) -> (grads, loss, new_buffers, aux)`` (traced).
+
+    With ``buffers``, the loss sees clones of the buffers made inside the transform:
+    a forward that updates them in place (train-mode BatchNorm) writes to tensors
+    that ``torch.func.grad`` owns, and the updated clones leave as an auxiliary
+    output. The given buffers are never written here (donation copies them later).
+    """
+    if buffers:
+
+        def with_buffers(params: Params, bufs: dict[str, Tensor], *batch: Any) -> Any:
+            local = {k: b.clone() for k, b in bufs.items()}
+            out = loss_fn(params, local, *batch)
+            # torch.func's aux holds tensors only: no None placeholder without has_aux.
+            return (out[0], (local, out[1])) if has_aux else (out, local)
+
+        def stateful(params: Params, bufs: dict[str, Tensor], *batch: Any) -> Any:
+            grads, (loss, extra) = grad_and_value(with_buffers, has_aux=True)(params, bufs, *batch)
+            new_bufs, aux = extra if has_aux else (extra, None)
+            return grads, loss, new_bufs, aux
+
+        return stateful
+    if per_sample is None:
+
+        def plain(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+            grads, out = grad_and_value(loss_fn, has_aux=has_aux)(params, *batch)
+            loss, aux = out if has_aux else (out, None)
+            return grads, loss, None, aux
+
+        return plain
+    batched = vmapped_grads(loss_fn, has_aux, each=per_sample)
+
+    def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+        g, losses, aux = batched(params, *batch)
+        return {k: v.mean(0) for k, v in g.items()}, losses.mean(), None, aux
+
+    return averaged
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
+
+
+def _autograd_gradients(
+    loss_fn: LossFn, has_aux: bool, buffers: bool
+) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
+    """The same as :func:`_gradients` (without ``per_sample``), by plain autograd.
+
+    Eagerly, ``torch.func.grad`` wraps every tensor and pytree on each call, which
+    costs about twice the time of ``torch.autograd.grad`` over the same ``fg.call``
+    (docs/compile-notes.md; the same values, bit for bit: it runs the same autograd
+    engine). The eager step uses this once the first call
+    with the inputs' structure has run through ``torch.func`` (whose checks give the
+    clear errors: output not a scalar, aux, a write to a captured tensor). Writes to
+    a module's own buffers are caught on both paths: the eager step runs under
+    :func:`funcgrad.step._model.watching_buffers`, where ``fg.call`` compares the buffers'
+    version counters.
+    """
+
+    def plain(params: Params, *args: Any) -> tuple[Params, Tensor, Any, Any]:
+        with torch.enable_grad():
+            leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
+            if buffers:
+                local = {k: b.clone() for k, b in args[0].items()}
+                out = loss_fn(leaves, local, *args[1:])
+            else:
+                out = loss_fn(leaves, *args)
+            loss = out[0] if has_aux else out
+            if loss.requires_grad:
+                g = torch.autograd.grad(loss, tuple(leaves.values()), materialize_grads=True)
+            else:  # a loss that does not depend on the parameters: zeros, as torch.func
+                g = tuple(torch.zeros_like(p) for p in leaves.values())
+        grads = dict(zip(leaves, g, strict=True))
+        new_bufs = {k: b.detach() for k, b in local.items()} if buffers else None
+        aux = optree.tree_map(_detached, out[1], none_is_leaf=True) if has_aux else None
+        return grads, loss.detach(), new_bufs, aux
+
+    return plain
+
+
+def _after_gradients(grads: Params, old: Any, new: Any) -> Any:
+    """``new``, made to depend on every gradient, so it is written only after them.
+
+    Inside one compiled graph inductor may schedule a write of a donated input that
+    does not depend on the gradients (Adam's step counter) before the forward and
+    backward ran; if they then failed, the step had half-applied itself. Selecting
+    with a flag that is always False but computed from every gradient orders all
+    writes after the backward. The select fuses into the update kernels, which read
+    the old values anyway.
+    """
+    probes = [g.reshape(-1)[:1].to(torch.float32) for g in _probed(grads) if g.numel()]
+    if not probes:
+        return new
+    probe = torch.cat(probes)
+    never = (probe != probe).all() & (probe == probe).all()  # NaN and not NaN: False
+    return tree_map(lambda o, n: torch.where(never, o, n), old, new)
+
+
+FEW_PROBED = 16
+"""A buffer of at most this many entries is probed per name by :func:`_after_gradients`
+when the step kept its per-name gradients; a larger one through its flat gradient."""
+
+
+def _probed(grads: Params) -> list[Tensor]:
+    """The tensors whose computation the writes wait for: every gradient, or for flat
+    gradients one per buffer, except that a buffer of few entries whose per-name
+    gradients the step kept (:meth:`funcgrad.Flat._packed_from`) is probed through
+    those: its flat gradient may be dead code (the rules read the per-name ones), and
+    a probe of it would keep it. Through the flat gradient a buffer is one probe,
+    which keeps a deep stack's compile short (one per name cost about 2 CPU s of 31 at
+    40 layers, benchmarks/README.md)."""
+    if not isinstance(grads, Flat):
+        return leaves(grads)
+    out: list[Tensor] = []
+    for b, buf in enumerate(grads.buffers):
+        few = len(grads.layout.names_in(b)) <= FEW_PROBED
+        parts = grads._parts_in(b, 0, buf.shape[-1]) if few else None
+        out.extend(parts.values() if parts is not None else [buf])
+    return out
+
+
+class _Core(NamedTuple):
+    """What the three step builders share: the gradient function (traced), the pure
+    step's pieces, and the options that decide how results are written."""
+
+    gradients: Callable[..., tuple[Params, Tensor, Any, Any]]
+    compute: Callable[..., Any]
+    pure_step: Callable[..., tuple[Any, ...]]
+    donate: bool
+    buffers: bool
+    per_sample: bool
+
+
+def _core(
+    loss_fn: LossFn,
+    tx: GradientTransformation,
+    has_aux: bool,
+    per_sample: GradientTransformation | None,
+    donate: bool,
+    buffers: bool,
+) -> _Core:
+    gradients = _gradients(loss_fn, has_aux, per_sample, buffers)
+
+    def compute(
+        grad_fn: Callable[..., Any],
+        params: Params,
+        state: State,
+        *args: Any,
+        apply: bool = True,
+        record: bool = True,
+    ) -> Any:
+        """``(new params, state[, buffers]), grads, (loss[, aux])``; with ``apply=False``
+        the updates in place of the new params. ``record=False`` (the eager step, where
+        nothing differentiates through the update) runs ``tx`` without autograd, so its
+        fast paths need not look for tensors that require grad (funcgrad/core/_compose.py)."""
+        flat = params if isinstance(params, Flat) else None
+        # Flat params (fg.params(model)): the loss sees per-name views, and the
+        # per-name gradients are gathered into the flat layout in one cat per buffer.
+        named, loss, new_bufs, aux = grad_fn(params if flat is None else flat.views(), *args)
+        grads: Any = named if flat is None else Flat._packed_from(named, flat.layout)
+        with contextlib.nullcontext() if record else torch.no_grad():
+            updates, new_state = tx.update(grads, state, params)
+            new: tuple[Any, ...] = (
+                apply_updates(params, updates) if apply else updates,
+                new_state,
+            )
+        new += (new_bufs,) if buffers else ()
+        return new, grads, (loss.detach(),) + ((aux,) if has_aux else ())
+
+    def pure_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        new, _, rest = compute(gradients, params, state, *args)
+        return new + rest
+
+    return _Core(gradients, compute, pure_step, donate, buffers, per_sample is not None)
+
+
+def _given(core: _Core, params: Params, state: State, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The tensors a donated step writes into: params, state (and buffers)."""
+    return (params, state, args[0]) if core.buffers else (params, state)
+
+
+Run = Callable[..., tuple[Any, ...]]
+"""``run(fresh, params, state, *batch)``: one step once the checks passed (``fresh``:
+the inputs' structure is new, see :class:`funcgrad.step._checks.Checks`)."""
+
+
+def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
+    """``compile=True``: the whole step as one graph. Donated, the graph writes into
+    the given tensors itself (inductor fuses the writes into the update kernels: no
+    second pass, no new buffers), with Ctrl-C held back while it runs."""
+
+    def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        new, grads, rest = core.compute(core.gradients, params, state, *args)
+        given = _given(core, params, state, args)
+        copy_into(given, _after_gradients(grads, given, new))
+        return given + rest
+
+    impl = torch.compile(
+        donated_step if core.donate else core.pure_step, **{**options, "fullgraph": True}
+    )
+
+    def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        if not core.donate:
+            return impl(params, state, *args)
+        with sigint_held():  # Ctrl-C cannot land between two of its kernels
+            return impl(params, state, *args)
+
+    return run
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+
+
+def _eager_step(
+    core: _Core,
+    gradients: Callable[..., Any],
+    fast: Callable[..., Any] | None = None,
+) -> Run:
+    """The step run eagerly around ``gradients`` (``fast`` instead once the inputs'
+    structure went through it). Donated, the results are committed into the given
+    tensors afterwards in one multi-tensor pass; large CPU results are kept for the
+    next step (funcgrad/core/_scratch.py), one scratch per thread."""
+    per_thread = _PerThread()
+
+    def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        scratch = per_thread.scratch
+        grad_fn = gradients if fresh or fast is None else fast
+        try:
+            lend = lending(scratch) if core.donate else contextlib.nullcontext()
+            with watching_buffers(), lend:
+                # Donated, the first result is the updates (added to the params at commit).
+                new, _, rest = core.compute(
+                    grad_fn, params, state, *args, apply=not core.donate, record=False
+                )
+        except Exception:
+            scratch.forget()
+            raise
+        out = new + rest
+        if not core.donate:
+            return out
+        given = _given(core, params, state, args)
+        added = updates_as_params(params, out[0])
+        commit(given[1:], out[1 : len(given)], add_to=leaves(params), add=added)
+        scratch.reclaim()
+        return given + out[len(given) :]
+
+    return run
+
+
+def _gradients_step(core: _Core, options: dict[str, Any]) -> Run:
+    """``compile="gradients"``: the forward and backward as one graph, which writes
+    nothing; the rest is the eager step."""
+    compiled = torch.compile(core.gradients, **{**options, "fullgraph": True})
+
+    def gradients(params: Params, *args: Any) -> tuple[Params, Tensor, Any, Any]:
+        try:
+            return compiled(params, *args)
+        except Exception as err:
+            eager = lambda: core.gradients(params, *args)  # noqa: E731
+            reraise(err, explain_compile_failure(err, eager, 'compile="gradients"'))
+
+    return _eager_step(core, gradients)
+
+
+def make_step(
+    loss_fn: LossFn,
+    tx: GradientTransformation,
+    *,
+    has_aux: bool = False,
+    compile: bool | str | dict[str, Any] = False,
+    donate: bool = False,
+    per_sample: GradientTransformation | None = None,
+    buffers: bool = False,
+) -> Callable[..., tuple[Any, ...]]:
+    """Build ``step(params, state, *batch) -> (params, state, loss)``.
+
+    One step computes ``grads = torch.func.grad(loss_fn)(params, *batch)``, then
+    ``updates, state = tx.update(grads, state, params)`` and
+    ``params = fg.apply_updates(params, updates)``.
+
+    Args:
+        loss_fn: ``loss_fn(params, *batch) -> scalar`` (``(scalar, aux)`` with
+            ``has_aux``; ``loss_fn(params, buffers, *batch)`` with ``buffers``).
+        tx: the transformation, e.g. ``fg.chain(fg.per_group(rule, groups), fg.adam())``.
+        has_aux: the step returns ``aux`` last.
+        compile: wrap the step in ``torch.compile(fullgraph=True)``; a dict adds
+            other ``torch.compile`` options, e.g. ``{"backend": "aot_eager"}``.
+            ``"gradients"`` (or ``{"scope": "gradients", ...}``) compiles only the
+            gradient computation (forward and backward, one graph that writes
+            nothing) and runs ``tx`` and the update eagerly, as
+            ``torch.compile(model)`` with a ``torch.optim`` optimizer does: the
+            first call compiles about as fast as the model alone, and every step
+            runs the update as the eager step does (docs/compile-notes.md has the
+            measured trade-off). ``"step"`` is the same as ``True``. With inductor,
+            float16/bfloat16 results are rounded where eager rounds them
+            (``emulate_precision_casts``, unless the options set it), so the compiled
+            update equals the eager one bit for bit (docs/compile-notes.md).
+        donate: write the new params, state (and buffers) into the given tensors in
+            place and return those same tensors, so ``fg.params(model)`` and
+            ``fg.buffers(model)`` keep the module live.
+        per_sample: a stateless transformation (e.g. ``fg.per_group(rule, groups)``)
+            applied to every sample's gradients under ``vmap`` before they are
+            averaged and handed to ``tx``. The loss is then the mean of the
+            per-sample losses.
+        buffers: for models that update buffers in forward (train-mode BatchNorm's
+            running statistics): the step is ``step(params, state, buffers, *batch)
+            -> (params, state, buffers, loss)`` and ``loss_fn(params, buffers,
+            *batch)`` passes them on with ``fg.call(model, params, x,
+            buffers=buffers)``. The buffers come out as an eager train-mode forward
+            leaves them; they are inputs and outputs of the pure step, so it stays
+            one graph.
+
+    Under a ``torch.func`` transform (``vmap`` over an ensemble's stacked params,
+    ``grad`` through training steps for meta-learning) the step runs its pure math
+    eagerly, whatever ``compile`` says, and cannot be donated. To compile such a
+    loop, compile the transformed function written from ``tx.update`` and
+    ``fg.apply_updates`` (``examples/ensemble.py``, ``examples/maml_sine.py``).
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> model = torch.nn.Linear(2, 1)
+        >>> loss = lambda p, x, y: ((fg.call(model, p, x) - y) ** 2).mean()
+        >>> tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)),
+        ...               fg.adam(lr=1e-2))
+        >>> params = fg.params(model)
+        >>> state = tx.init(params)
+        >>> step = fg.make_step(loss, tx, donate=True)
+        >>> params, state, l = step(params, state, torch.randn(4, 2), torch.randn(4, 1))
+        >>> int(state.inner_states[1].count), params["weight"].data_ptr() == model.weight.data_ptr()
+        (1, True)
+
+        Only the forward and backward compiled (inductor), ``tx`` eager; options for
+        ``torch.compile`` go in a dict with ``"scope"``:
+
+        >>> step = fg.make_step(loss, tx, compile="gradients", donate=True)
+        >>> step = fg.make_step(
+        ...     loss, tx, compile={"scope": "gradients", "backend": "aot_eager"}, donate=True
+        ... )
+
+        With train-mode BatchNorm:
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+        >>> bn_loss = lambda p, b, x: fg.call(net, p, x, buffers=b).square().mean()
+        >>> step = fg.make_step(bn_loss, fg.adam(), buffers=True, donate=True)
+        >>> p, b = fg.params(net), fg.buffers(net)
+        >>> p, s, b, l = step(p, fg.adam().init(p), b, torch.randn(4, 2))
+        >>> int(net[1].num_batches_tracked)
+        1
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(
+            f"fg.make_step: tx must be a GradientTransformation (e.g. fg.adam()), got "
+            f"{type(tx).__name__}."
+        )
+    if per_sample is not None and not isinstance(per_sample, GradientTransformation):
+        raise TypeError(
+            "fg.make_step: per_sample must be a stateless GradientTransformation, e.g. "
+            f"fg.per_group(fg.rules.clip_norm(1.0), groups); got {type(per_sample).__name__}."
+        )
+    if per_sample is not None and buffers:
+        raise ValueError(
+            "fg.make_step: per_sample= and buffers=True do not go together. A model that "
+            f"updates buffers in forward is usually train-mode BatchNorm: "
+            f"{PER_SAMPLE_BATCHNORM}"
+        )
+    scope, options = compile_scope(compile)
+    core = _core(loss_fn, tx, has_aux, per_sample, donate, buffers)
+    if scope == "step":
+        run = _compiled_step(core, options)
+    elif scope == "gradients":
+        run = _gradients_step(core, options)
+    else:
+        # After a call with these inputs' structure went through torch.func (its checks
+        # give the clear errors): plain autograd, the same values, faster.
+        fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
+        run = _eager_step(core, core.gradients, fast)
+    checks = Checks(loss_fn, tx, per_sample, donate, buffers)
+    compiled = scope == "step"
+    pure_buffers = buffers and not donate and scope in ("step", "gradients")
+
+    def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        if isinstance(params, Flat):
+            params.check_attached("fg.make_step")
+        if transform_active():
+            # Under torch.func.grad/vmap (meta-learning, ensembles): the pure step's
+            # math, eagerly; no fast path (plain autograd, scratch buffers), no write.
+            if donate:
+                raise ValueError(
+                    "fg.make_step(donate=True): the step runs under a torch.func "
+                    "transform (grad, vmap, ...), where its results are the transform's "
+                    "outputs and cannot be written into the given tensors. Build the "
+                    "step with donate=False and use what it returns."
+                )
+            checks(params, state, args)
+            return core.pure_step(params, state, *args)
+        fresh = checks(params, state, args)
+        if pure_buffers and isinstance(args[0], Mapping):
+            # Not donated: the given buffers are not written, and a compiled step sees
+            # the same aliasing on every call (the first call's fg.buffers(model) are
+            # the module's own tensors, later calls' the step's outputs: dynamo guards
+            # on that, and would compile the step twice). A copy of the buffers only.
+            args = (
+                {k: v.clone() if isinstance(v, Tensor) else v for k, v in args[0].items()},
+                *args[1:],
+            )
+        try:
+            return run(fresh, params, state, *args)
+        except Exception as err:
+            better: Exception | None = explain_buffer_write(err, per_sample=core.per_sample)
+            if better is None and compiled:
+                better = explain_compile_failure(err, lambda: core.pure_step(params, state, *args))
+            reraise(err, better)
+
+    return step

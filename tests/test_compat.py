@@ -1,0 +1,72 @@
+"""Each of torch's private names funcgrad uses (funcgrad/_compat.py), exercised on the
+installed torch: a release that drops or changes one fails here, by name."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from funcgrad import _compat
+
+
+def test_pytree_maps_and_registers():
+    tree = {"a": torch.ones(2), "b": (torch.zeros(1), 3)}
+    out = _compat.tree_map(lambda x: x * 2 if isinstance(x, torch.Tensor) else x, tree)
+    assert torch.equal(out["a"], torch.full((2,), 2.0)) and out["b"][1] == 3
+    only = _compat.tree_map_only(torch.Tensor, lambda x: x + 1, tree)
+    assert torch.equal(only["b"][0], torch.ones(1)) and only["b"][1] == 3
+
+    class Box:
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    _compat.register_pytree_node(Box, lambda b: ([b.x], None), lambda children, _: Box(children[0]))
+    boxed = _compat.tree_map(lambda x: x + 1, Box(torch.zeros(1)))
+    assert isinstance(boxed, Box) and boxed.x.item() == 1.0
+
+
+def test_functorch_interpreter_stack_and_wrappers():
+    seen: list[tuple[bool, bool]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append((_compat.functorch_transform_active(), _compat.is_functorch_wrapped(x)))
+        return (x * x).sum()
+
+    assert not _compat.functorch_transform_active()
+    assert not _compat.is_functorch_wrapped(torch.ones(1))
+    torch.func.grad(f)(torch.ones(3))
+    torch.func.vmap(f)(torch.ones(2, 3))
+    assert seen == [(True, True), (True, True)]
+
+
+def test_functional_collectives_is_imported_on_first_use():
+    fc = _compat.functional_collectives()
+    assert fc.__name__ == "torch.distributed._functional_collectives"
+    assert fc is sys.modules["torch.distributed._functional_collectives"]
+    for name in ("all_reduce", "reduce_scatter_single", "all_gather_single"):
+        assert callable(getattr(fc, name)), name
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_inductor_mode_options(mode):
+    options = _compat.inductor_mode_options(mode)
+    assert isinstance(options, dict)
+    if mode != "default":
+        assert options.get("max_autotune") is True
+
+
+def test_grad_scaler_scale():
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    assert _compat.grad_scaler_scale(disabled) is None
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    scale = _compat.grad_scaler_scale(scaler)
+    assert float(scale) == scaler.get_scale() == 8.0
+    # the private method itself, where torch has it, gives a tensor (no host sync)
+    assert isinstance(scaler._get_scale_async(), torch.Tensor)
