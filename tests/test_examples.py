@@ -125,12 +125,19 @@ def test_readme_example_runs(tmp_path):
     import subprocess
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
-    script = tmp_path / "readme_example.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    loss, all_zero = out.stdout.split()
+    quick, rule = re.findall(r"```python\n(.*?)```", readme, re.S)[:2]
+    assert readme.index("```python") < len("\n".join(readme.splitlines()[:30]))
+    outs = []
+    for name, code in (("quick_start", quick), ("rule", rule)):
+        script = tmp_path / f"readme_{name}.py"
+        script.write_text(code)
+        out = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        outs.append(out.stdout.split())
+    assert float(outs[0][0]) < 1e-4  # the quick start fits its line
+    loss, all_zero = outs[1]
     assert math.isfinite(float(loss)) and all_zero in ("True", "False")
 
 

@@ -1,27 +1,6 @@
-r"""Functional Adafactor, step-for-step equal to ``torch.optim.Adafactor``.
+"""Functional Adafactor, step-for-step equal to ``torch.optim.Adafactor``.
 
-Adafactor keeps, for each tensor of two or more dimensions, a factored second
-moment: one mean of squares per row and one per column of its last two dimensions
-(``r + c`` numbers instead of ``r * c``); a vector keeps a full one. With step
-:math:`t` (1-based), gradient :math:`G`, parameters :math:`p` (torch's formulation)::
-
-    G      <- -G                                          if maximize
-    b_t     = t ** beta2_decay                            (one minus beta2 at t)
-    rho_t   = min(lr, 1 / sqrt(t))
-    alpha_t = max(eps2, RMS(p)) * rho_t
-    R_t     = lerp(R_{t-1}, mean(G^2, last dim), b_t)     matrices
-    C_t     = lerp(C_{t-1}, mean(G^2, second-last), b_t)
-    V_t     = R_t C_t / max(mean(R_t), eps1)
-    V_t     = lerp(V_{t-1}, G^2, b_t)                     vectors
-    U_t     = G / sqrt(max(V_t, eps1^2))
-    u_t     = -alpha_t / max(1, RMS(U_t) / d) * U_t - lr * wd * p
-
-``eps1=None`` is the machine epsilon of the parameter's dtype, as in torch. Each
-tensor's update reads norms of the whole tensor, so Adafactor runs tensor by tensor
-(views of the flat buffers). Under ``fg.sharded`` those norms and the column means
-of a row-split matrix are summed across ranks (one small all-reduce each), so every
-rank takes the global step.
-"""
+The update math is in :func:`adafactor`'s docstring (rendered on the API site)."""
 
 from __future__ import annotations
 
@@ -101,9 +80,31 @@ def adafactor(
     maximize: bool = False,
     mask: DecayMask = None,
 ) -> GradientTransformation:
-    """Adafactor, equal step for step to ``torch.optim.Adafactor`` (same arguments).
+    r"""Adafactor, equal step for step to ``torch.optim.Adafactor`` (same arguments).
 
-    The update rule is in this module's docstring: ``lr`` caps the relative step
+    Adafactor keeps, for each tensor of two or more dimensions, a factored second
+    moment: one mean of squares per row and one per column of its last two dimensions
+    (``r + c`` numbers instead of ``r * c``); a vector keeps a full one. With step
+    :math:`t` (1-based), gradient :math:`G`, parameters :math:`p` (torch's formulation)::
+
+        G      <- -G                                          if maximize
+        b_t     = t ** beta2_decay                            (one minus beta2 at t)
+        rho_t   = min(lr, 1 / sqrt(t))
+        alpha_t = max(eps2, RMS(p)) * rho_t
+        R_t     = lerp(R_{t-1}, mean(G^2, last dim), b_t)     matrices
+        C_t     = lerp(C_{t-1}, mean(G^2, second-last), b_t)
+        V_t     = R_t C_t / max(mean(R_t), eps1)
+        V_t     = lerp(V_{t-1}, G^2, b_t)                     vectors
+        U_t     = G / sqrt(max(V_t, eps1^2))
+        u_t     = -alpha_t / max(1, RMS(U_t) / d) * U_t - lr * wd * p
+
+    ``eps1=None`` is the machine epsilon of the parameter's dtype, as in torch. Each
+    tensor's update reads norms of the whole tensor, so Adafactor runs tensor by tensor
+    (views of the flat buffers). Under ``fg.sharded`` those norms and the column means
+    of a row-split matrix are summed across ranks (one small all-reduce each), so every
+    rank takes the global step.
+
+    ``lr`` caps the relative step
     size and scales the decoupled weight decay; the step itself is relative to each
     tensor's RMS. ``mask``: where weight decay applies (as ``fg.adamw``'s).
 

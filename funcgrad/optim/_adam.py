@@ -1,26 +1,6 @@
-r"""Functional Adam and AdamW, step-for-step equal to ``torch.optim.Adam`` / ``AdamW``.
+"""Functional Adam and AdamW, step-for-step equal to ``torch.optim.Adam`` / ``AdamW``.
 
-With gradient :math:`g_t`, parameters :math:`p`, step :math:`t` (1-based)::
-
-    g_t  <- -g_t                               if maximize
-    g_t  <- g_t + wd * p                       Adam (L2), if wd != 0
-    m_t   = lerp(m_{t-1}, g_t, 1 - b1)         = b1 m + (1 - b1) g
-    v_t   = b2 v_{t-1} + (1 - b2) g_t^2
-    v^_t  = max(v^_{t-1}, v_t)                 if amsgrad, else v_t
-    u_t   = -lr / (1 - b1^t) * m_t / (sqrt(v^_t) * (1 / sqrt(1 - b2^t)) + eps)
-    u_t  <- u_t - lr * wd * p                  AdamW (decoupled), if wd != 0
-
-With ``eps_root > 0`` (opt-in; off, it is torch's rule) the denominator is
-``sqrt(v^_t / (1 - b2^t) + eps_root) + eps``, differentiable where ``v^_t == 0``.
-
-The step counter is an int64 0-d tensor and the bias corrections are computed in
-float64 (as torch does in Python doubles), then cast to the compute dtype: no
-recompiles as the step grows, and no drift from ``torch.optim``. float16 and bfloat16
-parameters are computed in float32 and their moments stored in their own dtype
-(torch's opmath); the update is float32 and ``apply_updates`` rounds it once. Within a
-step the float32 moments are used (torch re-reads the rounded ones), so a float16
-second moment that underflows gives a finite update here and inf/NaN in torch.
-"""
+The update math is in :func:`adam`'s docstring (rendered on the API site)."""
 
 from __future__ import annotations
 
@@ -460,11 +440,32 @@ def adam(
     mask: DecayMask = None,
     eps_root: float = 0.0,
 ) -> GradientTransformation:
-    """Adam, equal step for step to ``torch.optim.Adam`` with the same arguments.
+    r"""Adam, equal step for step to ``torch.optim.Adam`` with the same arguments.
+
+    With gradient :math:`g_t`, parameters :math:`p`, step :math:`t` (1-based)::
+
+        g_t  <- -g_t                               if maximize
+        g_t  <- g_t + wd * p                       Adam (L2), if wd != 0
+        m_t   = lerp(m_{t-1}, g_t, 1 - b1)         = b1 m + (1 - b1) g
+        v_t   = b2 v_{t-1} + (1 - b2) g_t^2
+        v^_t  = max(v^_{t-1}, v_t)                 if amsgrad, else v_t
+        u_t   = -lr / (1 - b1^t) * m_t / (sqrt(v^_t) * (1 / sqrt(1 - b2^t)) + eps)
+        u_t  <- u_t - lr * wd * p                  AdamW (decoupled), if wd != 0
+
+    With ``eps_root > 0`` (opt-in; off, it is torch's rule) the denominator is
+    ``sqrt(v^_t / (1 - b2^t) + eps_root) + eps``, differentiable where ``v^_t == 0``.
+
+    The step counter is an int64 0-d tensor and the bias corrections are computed in
+    float64 (as torch does in Python doubles), then cast to the compute dtype: no
+    recompiles as the step grows, and no drift from ``torch.optim``. float16 and bfloat16
+    parameters are computed in float32 and their moments stored in their own dtype
+    (torch's opmath); the update is float32 and ``apply_updates`` rounds it once. Within a
+    step the float32 moments are used (torch re-reads the rounded ones), so a float16
+    second moment that underflows gives a finite update here and inf/NaN in torch.
 
     ``weight_decay`` is the L2 penalty added to the gradient (as in torch); see
-    :func:`adamw` for decoupled decay. The update rule is in this module's docstring.
-    ``mask`` says where weight decay applies (see ``DecayMask``): with a mask, equal to
+    :func:`adamw` for decoupled decay. ``mask`` says where weight decay applies (see
+    ``DecayMask``): with a mask, equal to
     ``torch.optim.Adam`` with a decay and a no-decay param group.
 
     Differentiable and vmappable (meta-learning, ensembles): ``lr``, ``betas``,

@@ -1,13 +1,7 @@
-r"""Functional Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
+"""Functional Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
 Algorithms"), the paper's update as optax's ``lion`` computes it::
 
-    c_t  = sign((1 - b1) g_t + b1 m_{t-1})
-    m_t  = (1 - b2) g_t + b2 m_{t-1}
-    u_t  = -lr * (c_t + wd * p)                   (decay where mask says so)
-
-Every entry of every update is ``±lr`` (or 0) before weight decay: the step size is
-set by ``lr`` alone, so Lion takes a learning rate 3-10x smaller than AdamW's.
-"""
+The update math is in :func:`lion`'s docstring (rendered on the API site)."""
 
 from __future__ import annotations
 
@@ -41,9 +35,16 @@ def lion(
     weight_decay: Hyper = 0.0,
     mask: DecayMask = None,
 ) -> GradientTransformation:
-    """Lion: the sign of an interpolated momentum, as optax's ``lion``.
+    r"""Lion: the sign of an interpolated momentum, as optax's ``lion``.
 
-    The update rule is in this module's docstring. ``lr``: a float, a 0-d tensor or
+        c_t  = sign((1 - b1) g_t + b1 m_{t-1})
+        m_t  = (1 - b2) g_t + b2 m_{t-1}
+        u_t  = -lr * (c_t + wd * p)                   (decay where mask says so)
+
+    Every entry of every update is ``±lr`` (or 0) before weight decay: the step size is
+    set by ``lr`` alone, so Lion takes a learning rate 3-10x smaller than AdamW's.
+
+    ``lr``: a float, a 0-d tensor or
     a schedule; ``b1``, ``b2``, ``weight_decay``: floats or 0-d tensors. ``mask``:
     where weight decay applies (as ``fg.adamw``'s).
 

@@ -1,22 +1,6 @@
-r"""Functional Muon, step-for-step equal to ``torch.optim.Muon`` (2-D parameters).
+"""Functional Muon, step-for-step equal to ``torch.optim.Muon`` (2-D parameters).
 
-Muon replaces each weight matrix's momentum by its nearest semi-orthogonal matrix
-(five Newton–Schulz iterations in bfloat16, as torch and Keller Jordan's reference
-run them). With gradient :math:`G`, parameters :math:`W` of shape ``(A, B)``::
-
-    B_t  = lerp(B_{t-1}, G, 1 - momentum)
-    M    = lerp(G, B_t, momentum)               if nesterov, else B_t
-    O    = NewtonSchulz(M)                      (bfloat16)
-    u_t  = -lr * wd * W - lr * ratio * O         (weight decay where mask says so)
-
-``ratio`` is ``sqrt(max(1, A / B))`` (``adjust_lr_fn=None`` or ``"original"``) or
-``0.2 * sqrt(max(A, B))`` (``"match_rms_adamw"``, so that the update's RMS matches
-AdamW's). Muon is for the hidden 2-D weights only: embeddings, the output head,
-biases and norms go to AdamW (``fg.partition``, see ``docs/optimizers.md``).
-
-Under ``fg.sharded`` each matrix is gathered whole for the iteration (one
-all-gather of the momentum per matrix) and every rank keeps its rows of the result.
-"""
+The update math is in :func:`muon`'s docstring (rendered on the API site)."""
 
 from __future__ import annotations
 
@@ -93,9 +77,26 @@ def muon(
     adjust_lr_fn: str | None = None,
     mask: DecayMask = None,
 ) -> GradientTransformation:
-    """Muon, equal step for step to ``torch.optim.Muon`` with the same arguments.
+    r"""Muon, equal step for step to ``torch.optim.Muon`` with the same arguments.
 
-    The update rule is in this module's docstring. Every parameter must be 2-D (a
+    Muon replaces each weight matrix's momentum by its nearest semi-orthogonal matrix
+    (five Newton–Schulz iterations in bfloat16, as torch and Keller Jordan's reference
+    run them). With gradient :math:`G`, parameters :math:`W` of shape ``(A, B)``::
+
+        B_t  = lerp(B_{t-1}, G, 1 - momentum)
+        M    = lerp(G, B_t, momentum)               if nesterov, else B_t
+        O    = NewtonSchulz(M)                      (bfloat16)
+        u_t  = -lr * wd * W - lr * ratio * O         (weight decay where mask says so)
+
+    ``ratio`` is ``sqrt(max(1, A / B))`` (``adjust_lr_fn=None`` or ``"original"``) or
+    ``0.2 * sqrt(max(A, B))`` (``"match_rms_adamw"``, so that the update's RMS matches
+    AdamW's). Muon is for the hidden 2-D weights only: embeddings, the output head,
+    biases and norms go to AdamW (``fg.partition``, see ``docs/optimizers.md``).
+
+    Under ``fg.sharded`` each matrix is gathered whole for the iteration (one
+    all-gather of the momentum per matrix) and every rank keeps its rows of the result.
+
+    Every parameter must be 2-D (a
     clear error otherwise: use ``fg.partition`` with AdamW for the rest). ``mask``:
     where weight decay applies (as ``fg.adamw``'s; torch's Muon decays all of its
     parameters).

@@ -1,17 +1,6 @@
-r"""Functional SGD, step-for-step equal to ``torch.optim.SGD`` with the same arguments.
+"""Functional SGD, step-for-step equal to ``torch.optim.SGD`` with the same arguments.
 
-With gradient :math:`g_t`, parameters :math:`p`, momentum buffer :math:`b`::
-
-    g_t <- -g_t                                   if maximize
-    g_t <- g_t + wd * p                           if wd != 0 (where mask says so)
-    b_t  = g_t                                    on the first step, then
-    b_t  = momentum * b_{t-1} + (1 - dampening) g_t
-    g_t <- g_t + momentum * b_t                   if nesterov, else g_t <- b_t
-    u_t  = -lr * g_t
-
-(the middle three lines only with ``momentum != 0``). The first step copies the
-gradient into the buffer, as torch does: the state's ``count`` says which step it is.
-"""
+The update math is in :func:`sgd`'s docstring (rendered on the API site)."""
 
 from __future__ import annotations
 
@@ -52,9 +41,21 @@ def sgd(
     maximize: bool = False,
     mask: DecayMask = None,
 ) -> GradientTransformation:
-    """Stochastic gradient descent, equal step for step to ``torch.optim.SGD``.
+    r"""Stochastic gradient descent, equal step for step to ``torch.optim.SGD``.
 
-    The update rule is in this module's docstring. ``lr`` is a float, a 0-d tensor or
+    With gradient :math:`g_t`, parameters :math:`p`, momentum buffer :math:`b`::
+
+        g_t <- -g_t                                   if maximize
+        g_t <- g_t + wd * p                           if wd != 0 (where mask says so)
+        b_t  = g_t                                    on the first step, then
+        b_t  = momentum * b_{t-1} + (1 - dampening) g_t
+        g_t <- g_t + momentum * b_t                   if nesterov, else g_t <- b_t
+        u_t  = -lr * g_t
+
+    (the middle three lines only with ``momentum != 0``). The first step copies the
+    gradient into the buffer, as torch does: the state's ``count`` says which step it is.
+
+    ``lr`` is a float, a 0-d tensor or
     a schedule ``count -> lr``; ``momentum``, ``dampening`` and ``weight_decay`` are
     floats or 0-d tensors (learnable under ``torch.func.grad``). ``mask`` says where
     weight decay applies (``fg.adamw``'s ``mask``): equal to ``torch.optim.SGD`` with a
