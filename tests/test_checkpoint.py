@@ -48,12 +48,46 @@ def test_resume_from_a_checkpoint_is_bit_for_bit(tmp_path):
         params, state, _ = step(params, state, batch(i))
     fg.save_checkpoint(tmp_path / "ckpt.fg", params, state, epoch=3, note="half way")
     model2, tx2, step2, params2, _ = setup(seed=1)  # another initialisation
-    params2, state2, extra = fg.load_checkpoint(tmp_path / "ckpt.fg", tx2, params2)
+    params2, state2, extra = fg.load_checkpoint(tmp_path / "ckpt.fg", params2, tx2)
     assert extra == {"epoch": 3, "note": "half way"}
     assert params2["fc1.weight"].data_ptr() == model2.fc1.weight.data_ptr()  # live module
     for i in range(3, 6):
         params2, state2, _ = step2(params2, state2, batch(i))
     assert_trees_close((params2, state2), want)
+
+
+def test_the_old_argument_order_loads_the_same_with_a_deprecation_warning(tmp_path):
+    """load_checkpoint takes save_checkpoint's order, (path, params, tx); the order of
+    earlier releases, (path, tx, params) and (path, opt, model), still loads the same,
+    with a DeprecationWarning that names the new order."""
+    _, _, step, params, state = setup()
+    for i in range(2):
+        params, state, _ = step(params, state, batch(i))
+    fg.save_checkpoint(tmp_path / "ckpt.fg", params, state)
+    _, tx_new, _, p_new, _ = setup(seed=1)
+    _, s_new, _ = fg.load_checkpoint(tmp_path / "ckpt.fg", p_new, tx_new)
+    _, tx_old, _, p_old, _ = setup(seed=2)
+    with pytest.warns(
+        DeprecationWarning,
+        match=re.escape(
+            "fg.load_checkpoint(path, tx, params) is the argument order of earlier releases; "
+            "write fg.load_checkpoint(path, params, tx)"
+        ),
+    ):
+        _, s_old, _ = fg.load_checkpoint(tmp_path / "ckpt.fg", tx_old, p_old)
+    assert_trees_close((p_old, s_old), (p_new, s_new), rtol=0, atol=0)
+    assert_trees_close(p_new, params, rtol=0, atol=0)
+
+    model = torch.nn.Linear(2, 1)
+    opt = fg.Optimizer(model, fg.adam(lr=1e-2))
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    fg.save_checkpoint(tmp_path / "dir", model, opt)
+    with pytest.warns(
+        DeprecationWarning, match=re.escape("write fg.load_checkpoint(path, model, opt)")
+    ):
+        got, got_opt, _ = fg.load_checkpoint(tmp_path / "dir", opt, model)
+    assert got is model and got_opt is opt
 
 
 @pytest.fixture
@@ -71,7 +105,7 @@ def _assert_refused(path, tx, params, state, exc, message):
     before = snapshot((params, state))
     on_disk = path.read_bytes() if path.exists() else None
     with pytest.raises(exc, match=re.escape(message)):
-        fg.load_checkpoint(path, tx, params)
+        fg.load_checkpoint(path, params, tx)
     assert_trees_close((params, state), before)  # nothing touched
     if on_disk is not None:
         assert path.read_bytes() == on_disk
@@ -176,7 +210,7 @@ def test_a_save_killed_midway_keeps_a_whole_checkpoint(tmp_path):
         proc.kill()  # SIGKILL: no cleanup, possibly mid-write
         proc.wait()
         params = {"w": torch.empty(n)}
-        params, _, extra = fg.load_checkpoint(path, tx, params)
+        params, _, extra = fg.load_checkpoint(path, params, tx)
         assert torch.all(params["w"] == float(extra["i"]))
         loaded_i.append(extra["i"])
     assert max(loaded_i) > 0  # saves did complete between kills
@@ -203,7 +237,7 @@ def test_a_save_interrupted_after_writing_keeps_the_previous_file(tmp_path, monk
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.fg"]  # the temporary file removed
-    params, _, extra = fg.load_checkpoint(path, tx, {"w": torch.empty(3)})
+    params, _, extra = fg.load_checkpoint(path, {"w": torch.empty(3)}, tx)
     assert extra == {"i": 1} and torch.equal(params["w"], torch.zeros(3))
 
 
@@ -272,7 +306,7 @@ def test_a_model_and_its_optimizer_resume_bit_for_bit_from_a_directory(tmp_path)
     _train(a, oa, 2)
     b, ob = _model_and_opt()
     _train(b, ob, 1)  # live values that the load replaces
-    model, opt, extra = fg.load_checkpoint(root, ob, b)
+    model, opt, extra = fg.load_checkpoint(root, b, ob)
     assert model is b and opt is ob and extra == {"step": 3}
     _train(b, ob, 2)
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
@@ -291,7 +325,7 @@ def test_a_directory_checkpoint_that_fails_to_load_changes_nothing(tmp_path):
     before = _live(b, ob)
     (sub / "funcgrad-manifest.json").write_text("{")
     with pytest.raises(ValueError) as info:
-        fg.load_checkpoint(root, ob, b)
+        fg.load_checkpoint(root, b, ob)
     assert "has no readable manifest (funcgrad-manifest.json)" in str(info.value)
     assert _live(b, ob)[1] == before[1]
     for k, v in before[0].items():
@@ -309,18 +343,18 @@ def _dir_ckpt(tmp_path):
 def _missing_shard(tmp_path):
     root, sub = _dir_ckpt(tmp_path)
     (sub / "__0_0.distcp").unlink()
-    fg.load_checkpoint(root, *reversed(_model_and_opt()))
+    fg.load_checkpoint(root, *_model_and_opt())
 
 
 def _other_model(tmp_path):
     root, _ = _dir_ckpt(tmp_path)
     m = torch.nn.Sequential(torch.nn.Linear(2, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1))
-    fg.load_checkpoint(root, fg.Optimizer(m.double(), fg.adamw(lr=1e-2)), m)
+    fg.load_checkpoint(root, m, fg.Optimizer(m.double(), fg.adamw(lr=1e-2)))
 
 
 def _no_pointer(tmp_path):
     (tmp_path / "empty").mkdir()
-    fg.load_checkpoint(tmp_path / "empty", *reversed(_model_and_opt()))
+    fg.load_checkpoint(tmp_path / "empty", *_model_and_opt())
 
 
 def _mismatched(tmp_path):
@@ -335,7 +369,7 @@ def _a_file(tmp_path):
 
 
 def _file_for_optimizer(tmp_path):
-    fg.load_checkpoint(tmp_path / "nothing.fg", *reversed(_model_and_opt()))
+    fg.load_checkpoint(tmp_path / "nothing.fg", *_model_and_opt())
 
 
 def _wrong_kinds(tmp_path):

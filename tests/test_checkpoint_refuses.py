@@ -53,7 +53,7 @@ def live(model: nn.Module, opt: fg.Optimizer) -> list[torch.Tensor]:
 def refused(root: Path, model: nn.Module, opt: fg.Optimizer, fragment: str) -> None:
     before = live(model, opt)
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        fg.load_checkpoint(root, opt, model)
+        fg.load_checkpoint(root, model, opt)
     for a, b in zip(before, live(model, opt), strict=True):
         assert torch.equal(a, b)  # nothing changed
 
@@ -79,9 +79,9 @@ def test_a_subset_model_is_refused_with_a_sharded_state(tmp_path, one_rank):
     with pytest.raises(
         ValueError, match=re.escape("it holds entries this one does not have: params.4.bias")
     ):
-        fg.load_checkpoint(tmp_path / "ckpt", tx, small)
+        fg.load_checkpoint(tmp_path / "ckpt", small, tx)
     # the same model loads
-    params, _, _ = fg.load_checkpoint(tmp_path / "ckpt", tx, dict(fg.params(three_layers(1))))
+    params, _, _ = fg.load_checkpoint(tmp_path / "ckpt", dict(fg.params(three_layers(1))), tx)
     for k, v in big.items():
         assert torch.equal(params[k], v)
 
@@ -124,7 +124,7 @@ def test_a_nan_parameter_is_refused_in_both_formats(tmp_path, one_rank):
         with pytest.raises(
             ValueError, match=re.escape("parameter '2.weight' holds NaN or Inf values")
         ):
-            fg.load_checkpoint(path, tx, {k: torch.zeros_like(v) for k, v in params.items()})
+            fg.load_checkpoint(path, {k: torch.zeros_like(v) for k, v in params.items()}, tx)
 
 
 @pytest.mark.parametrize("dies", ["before the save", "after publishing"])

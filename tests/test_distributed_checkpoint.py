@@ -1,6 +1,6 @@
 """Distributed checkpoints with the single-file guarantees (#23 item 9), on 2 gloo ranks:
 ``fg.save_checkpoint(root, model, opt)`` of an FSDP2 model and its ``fg.Optimizer``, and
-``fg.load_checkpoint(root, opt, model)``. One test per fault seen with plain DCP: flipped
+``fg.load_checkpoint(root, model, opt)``. One test per fault seen with plain DCP: flipped
 bytes in a shard file, a broken invariant, a truncated shard (torch's own error), a rank
 killed while saving over the previous checkpoint. Each load that fails raises a
 funcgrad error (an ``Exception``) on every rank and changes nothing."""

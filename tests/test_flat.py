@@ -573,7 +573,7 @@ def test_checkpoint_written_before_the_flat_layout_loads_and_resumes() -> None:
     for layout in (fg.params, per_tensor):
         model = mlp()
         tx = seed_tx(model, amsgrad=True)
-        params, state, extra = fg.load_checkpoint(path, tx, layout(model))
+        params, state, extra = fg.load_checkpoint(path, layout(model), tx)
         assert extra == {"step": 3}
         assert isinstance(state.inner_states[2].mu, Flat) == (layout is fg.params)
         # loaded: the file's tensors, bit for bit; the learning rate is tx's
@@ -601,7 +601,7 @@ def test_checkpoints_move_both_ways_between_layouts(tmp_path: Path) -> None:
     assert_trees_close(fg.state_dict(sa.inner_states[2]), fg.state_dict(sb.inner_states[2]))
     fg.save_checkpoint(tmp_path / "flat.ckpt", pa, sa)
     c = mlp()
-    pc, sc, _ = fg.load_checkpoint(tmp_path / "flat.ckpt", seed_tx(c), per_tensor(c))
+    pc, sc, _ = fg.load_checkpoint(tmp_path / "flat.ckpt", per_tensor(c), seed_tx(c))
     assert not isinstance(sc.inner_states[2].mu, Flat)
     assert_trees_close(sc.inner_states[2], sb.inner_states[2])
     assert_trees_close(dict(pc), dict(pb))

@@ -178,11 +178,11 @@ def test_a_checkpoint_restores_its_lr_and_reports_a_mismatch(tmp_path):
         UserWarning,
         match=re.escape("learning rate at state.inner_states[1].lr is 0.005, tx's is 0.01"),
     ):
-        _, loaded, _ = fg.load_checkpoint(tmp_path / "a.ckpt", tx, params)
+        _, loaded, _ = fg.load_checkpoint(tmp_path / "a.ckpt", params, tx)
     assert fg.get_lr(loaded) == [5e-3]
     # the same lr: silent
     fg.save_checkpoint(tmp_path / "b.ckpt", params, tx.init(params))
-    _, loaded, _ = fg.load_checkpoint(tmp_path / "b.ckpt", tx, params)
+    _, loaded, _ = fg.load_checkpoint(tmp_path / "b.ckpt", params, tx)
     assert fg.get_lr(loaded) == [1e-2]
 
 

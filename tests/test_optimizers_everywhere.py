@@ -205,7 +205,7 @@ def test_checkpoint_resumes_bit_for_bit(name, tmp_path):
     straight, _ = steps(dict(start), tx.init(start), 4)
     half, state = steps(dict(start), tx.init(start), 2)
     fg.save_checkpoint(tmp_path / "c.pt", half, state)
-    loaded_p, loaded_s, _ = fg.load_checkpoint(tmp_path / "c.pt", tx, dict(start))
+    loaded_p, loaded_s, _ = fg.load_checkpoint(tmp_path / "c.pt", dict(start), tx)
     resumed, _ = steps(loaded_p, loaded_s, 2)
     assert_trees_close(resumed, straight)
 

@@ -225,7 +225,7 @@ def test_checkpoint_from_2_ranks_loads_into_3_ranks_and_into_one_process(tmp_pat
     m = sw.model()
     tx = sw.make_tx(m)
     params = fg.params(m)
-    params, state, _ = fg.load_checkpoint(tmp_path / "ckpt", tx, params)
+    params, state, _ = fg.load_checkpoint(tmp_path / "ckpt", params, tx)
     params, _ = single_process(range(sw.NAN_STEP + 1, sw.STEPS), params, state)
     for k, v in saved["params"].items():
         torch.testing.assert_close(params[k], v, rtol=1e-12, atol=1e-12)

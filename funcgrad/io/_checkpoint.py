@@ -16,6 +16,7 @@ import hashlib
 import io
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -85,7 +86,7 @@ def save_checkpoint(path: str | os.PathLike[str], params: Any, state: Any, **ext
         >>> path = tempfile.mkdtemp() + "/ckpt.fg"
         >>> fg.save_checkpoint(path, params, state, epoch=3)
         >>> live = {"w": torch.zeros(2)}
-        >>> live, state2, extra = fg.load_checkpoint(path, tx, live)
+        >>> live, state2, extra = fg.load_checkpoint(path, live, tx)
         >>> live["w"], int(state2.count), extra
         (tensor([1., 1.]), 1, {'epoch': 3})
     """
@@ -164,16 +165,21 @@ def _read(path: Path) -> dict[str, Any]:
 
 @overload
 def load_checkpoint(
-    path: str | os.PathLike[str], tx: GradientTransformation, params: Params
+    path: str | os.PathLike[str], params: Params, tx: GradientTransformation
 ) -> tuple[Params, State, dict[str, Any]]: ...
 @overload
 def load_checkpoint(
-    path: str | os.PathLike[str], tx: Optimizer, params: nn.Module
+    path: str | os.PathLike[str], params: nn.Module, tx: Optimizer
 ) -> tuple[nn.Module, Optimizer, dict[str, Any]]: ...
 def load_checkpoint(
-    path: str | os.PathLike[str], tx: Any, params: Any
+    path: str | os.PathLike[str], params: Any, tx: Any
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Load a :func:`save_checkpoint` file into ``params`` and a new state for ``tx``.
+
+    The arguments come in :func:`save_checkpoint`'s order: ``(path, params, tx)``, or
+    ``(path, model, opt)``. The order of earlier releases, ``(path, tx, params)`` /
+    ``(path, opt, model)``, still works with a ``DeprecationWarning`` until the next
+    release (a transformation or an ``fg.Optimizer`` second tells the two apart).
 
     Everything is checked before anything is touched: the checksum, the parameter
     names, shapes and dtypes against ``params``, the state's structure against
@@ -187,7 +193,7 @@ def load_checkpoint(
     included): rank 0 verifies every file against the manifest, every rank reads its
     part into fresh tensors and validates it, and only when every rank has validated
     are the live params and state written. For a model and its ``fg.Optimizer``,
-    pass ``(path, opt, model)``; the model's parameters and the optimizer's state are
+    pass ``(path, model, opt)``; the model's parameters and the optimizer's state are
     replaced, and ``(model, opt, extra)`` is returned.
 
     Returns:
@@ -197,6 +203,20 @@ def load_checkpoint(
     Example: see :func:`save_checkpoint`.
     """
     who = "fg.load_checkpoint"
+    if isinstance(params, GradientTransformation) or _is_fg_optimizer(params):
+        old, new = (
+            ("(path, opt, model)", "(path, model, opt)")
+            if _is_fg_optimizer(params)
+            else ("(path, tx, params)", "(path, params, tx)")
+        )
+        warnings.warn(
+            f"{who}{old} is the argument order of earlier releases; write {who}{new}, "
+            "the order of fg.save_checkpoint. The old order works, with this warning, "
+            "until the next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        params, tx = tx, params
     if _is_fg_optimizer(tx) or isinstance(params, nn.Module):
         opt, model = tx, params
         _model_and_optimizer(model, opt, who)

@@ -96,7 +96,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 fw.train(m, opt, rank, world, range(1))
             result["before"] = snapshot(m, opt)
             try:
-                _, _, result["extra"] = fg.load_checkpoint(root, opt, m)
+                _, _, result["extra"] = fg.load_checkpoint(root, m, opt)
             except Exception as err:  # a funcgrad error: an Exception, not a BaseException
                 result["error"] = (type(err).__name__, str(err))
             result["after"] = snapshot(m, opt)

@@ -391,7 +391,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             )
         elif mode == "load":
             params = params_for(m, layout)
-            params, state, extra = fg.load_checkpoint(os.path.join(out, "ckpt"), tx, params)
+            params, state, extra = fg.load_checkpoint(os.path.join(out, "ckpt"), params, tx)
             assert extra == {"step": NAN_STEP + 1}
             result["loaded_state"] = _shard_checkpoint.full_tensors(fg.state_dict(state))
             params, state = train(
