@@ -25,17 +25,19 @@ from ..core._fusion import realize
 from ..core._invariants import invariants
 from ..core._scratch import BIG, Scratch, borrowing
 from ._hparams import (
-    HALF,
     DecayMask,
     Hyper,
     LearningRate,
     as64,
     check_lr,
     check_number,
+    compute_dtype,
     lr_now,
     lr_start,
     mask_resolver,
+    nonzero,
 )
+from ._kernel import decay_per_buffer
 
 
 class AdamState(NamedTuple):
@@ -125,8 +127,7 @@ def _adam(
         x if isinstance(x, Tensor) else float(x) for x in (*betas, eps, weight_decay)
     )
     hp = _Hyper(b1, b2, eps_, wd, amsgrad, maximize, decoupled, float(eps_root))
-    # A tensor weight decay is taken as nonzero (no Python branch on its value).
-    has_decay = isinstance(hp.weight_decay, Tensor) or hp.weight_decay != 0.0
+    has_decay = nonzero(hp.weight_decay)
     # The multi-tensor path takes Python floats only; tensor hyperparameters and
     # eps_root always run the per-tensor math.
     foreach_ok = eps_root == 0.0 and not any(
@@ -183,7 +184,7 @@ def _adam(
         )
         path = _multi_tensor_adam if multi else _single_tensor_adam
         per_step: tuple[Any, ...] = (-step_size, inv_bc2_sqrt, lr_decay, hp)
-        by_buffer = _per_buffer(decay, layout) if layout is not None else None
+        by_buffer = decay_per_buffer(decay, layout) if layout is not None else None
         if layout is None or by_buffer is None:  # per tensor (a mask splits a buffer: views)
             args = (grads, state, params, decay)
             out: tuple[Any, ...] = path(*(args if layout is None else _as_views(*args)), *per_step)
@@ -211,18 +212,6 @@ def _adam(
 
 def _leaves(*trees: Mapping[str, Tensor] | None) -> list[Tensor]:
     return [t for tree in trees if tree is not None for t in flat.leaves(tree)]
-
-
-def _per_buffer(decay: Mapping[str, bool], layout: flat.Layout) -> dict[str, bool] | None:
-    """Weight decay per buffer (keyed as :func:`funcgrad.core._flat.by_buffer`), or None
-    where a mask decays some of a buffer's tensors and not others."""
-    out: dict[str, bool] = {}
-    for b in range(len(layout.sizes)):
-        flags = {decay.get(n, False) for n in layout.names_in(b)}
-        if len(flags) > 1:
-            return None
-        out[str(b)] = flags.pop()
-    return out
 
 
 def _as_views(
@@ -262,7 +251,7 @@ def _single_tensor_adam(
         # torch's "opmath": half-precision tensors are computed in float32 and
         # only stored in their own dtype (g * g overflows float16 at |g| > 256).
         sdt = state.mu[k].dtype
-        dt = torch.float32 if sdt in HALF else sdt
+        dt = compute_dtype(sdt)
         if dt not in per_dtype:
             per_dtype[dt] = (neg_step64.to(dt), inv_bc2_64.to(dt), lr_decay64.to(dt))
         neg_step, inv_bc2, lr_wd = per_dtype[dt]
@@ -345,7 +334,7 @@ def _multi_tensor_adam(
         if hp.amsgrad:
             nu_max[k] = out[3]
     for sdt, keys in by_dtype.items():
-        dt = torch.float32 if sdt in HALF else sdt
+        dt = compute_dtype(sdt)
         neg_step, inv_bc2, lr_decay = _to(neg_step64, dt), _to(inv_bc2_64, dt), _to(lr_decay64, dt)
         g = [_to(grads[k], dt) for k in keys]
         if hp.maximize:
@@ -402,7 +391,7 @@ def _borrowed_adam(
     writing into a buffer borrowed from ``scratch`` (``out=``) instead of a new one:
     ``(update, mu, nu[, nu_max])``."""
     sdt = state.mu[k].dtype
-    dt = torch.float32 if sdt in HALF else sdt
+    dt = compute_dtype(sdt)
     b1, b2, eps, l2_wd = (float(x) for x in (hp.b1, hp.b2, hp.eps, hp.weight_decay))
     g = _to(grad, dt)
     if hp.maximize:

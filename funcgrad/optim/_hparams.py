@@ -152,6 +152,11 @@ def lr_at(lr: LearningRate, count: Tensor) -> Tensor:
     return as64(value, count)
 
 
+def nonzero(x: Hyper) -> bool:
+    """A tensor hyperparameter counts as nonzero (no Python branch on its value)."""
+    return isinstance(x, Tensor) or x != 0.0
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype an update is computed in (torch's opmath): float32 for float16 and
     bfloat16, else the dtype itself."""

@@ -12,9 +12,8 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper
+from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
 from ._kernel import Entry, Spec, build
-from ._sgd import nonzero
 
 
 class LionState(NamedTuple):

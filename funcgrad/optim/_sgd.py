@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper
+from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
 from ._kernel import Entry, Spec, build
 
 
@@ -25,11 +25,6 @@ class SGDState(NamedTuple):
 
 
 invariants(SGDState, count="nonnegative", momentum_buffer="finite", lr="finite nonnegative")
-
-
-def nonzero(x: Hyper) -> bool:
-    """A tensor hyperparameter counts as nonzero (no Python branch on its value)."""
-    return isinstance(x, Tensor) or x != 0.0
 
 
 def sgd(
