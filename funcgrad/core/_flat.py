@@ -49,9 +49,9 @@ CPU_BUCKET_BYTES = 16 * 2**20
 glibc serves an allocation of more than its ``mmap`` threshold (raised as large
 blocks are freed, up to 32 MiB) with a fresh ``mmap`` whose every page faults on
 first write, each time. A buffer's temporaries under ``torch.compile`` (the flat
-gradient, ``cat`` of the per-tensor gradients) are allocated every step: one 134 MB
-buffer made an update-heavy step (8 x 2048 x 2048) 2.3x fused ``torch.optim.Adam``
-where one tensor per parameter ran it in 0.68x (benchmarks/README.md). Buffers of at
+gradient, ``cat`` of the per-tensor gradients) are allocated every step, so one huge
+buffer made an update-heavy step slower than one tensor per parameter
+(docs/compile-notes.md, "Figures behind the code"). Buffers of at
 most 16 MiB are reused from the heap; a tensor larger than that is its own buffer, so
 its gradient is never copied. CUDA's caching allocator reuses memory: one buffer per
 (device, dtype) there."""

@@ -4,12 +4,12 @@ Eager code (checks before tracing, checkpoints) uses optree with insertion-order
 dicts, so a message names entries in the user's order and paths read as Python
 (``state.inner_states[1].mu['fc1.weight']``, from optree's accessors).
 
-Code that runs inside the step uses ``torch.utils._pytree``. Measured on torch 2.13:
-dynamo traces ``optree.tree_map``, but ``optree.tree_leaves`` / ``tree_flatten`` over
-a state that holds dicts fail under ``fullgraph=True`` ("Unexpected type in
-sourceless builder: optree.registry.DictMetaData"), while torch's own pytree traces
-both, also over NamedTuples created while tracing. Both match dict entries by key,
-not by position.
+Code that runs inside the step uses ``torch.utils._pytree`` (through
+``funcgrad._compat``). On torch 2.13 dynamo traces ``optree.tree_map``, but
+``optree.tree_leaves`` / ``tree_flatten`` over a state that holds dicts fail under
+``fullgraph=True`` ("Unexpected type in sourceless builder:
+optree.registry.DictMetaData"), while torch's own pytree traces both, also over
+NamedTuples created while tracing. Both match dict entries by key, not by position.
 """
 
 from __future__ import annotations

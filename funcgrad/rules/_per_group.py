@@ -165,9 +165,8 @@ FEW_GROUPS = 8
 """Up to this many groups in a buffer, a compiled step (which keeps the per-name
 gradients, :meth:`funcgrad.Flat._packed_from`) rules each group on its own, on those
 gradients: the flat gradient is then never written, and each rule fuses into the
-backward's kernels and its output into the update (the compiled MLP step ran at
-1.02-1.12x the per-tensor layout's, against 1.11-1.61x through the flat gradient;
-benchmarks/README.md). More groups are ruled as blocks of rows (:func:`_blocks`),
+backward's kernels and its output into the update (figures: docs/compile-notes.md,
+"Figures behind the code"). More groups are ruled as blocks of rows (:func:`_blocks`),
 which keeps a deep stack's compile time flat per layer."""
 
 MAX_PERIOD = 16

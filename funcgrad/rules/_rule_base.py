@@ -147,11 +147,10 @@ def _bytes(t: Tensor) -> Tensor | None:
     """A non-empty bool CPU tensor as its bytes (``uint8``, 0 or 1), eagerly and for
     a plain tensor only (not under ``vmap`` or ``grad``, not traced); else None.
 
-    torch's CPU ``all()`` / ``any()`` of a bool tensor ran 20-40x as long as
-    ``min()`` / ``max()`` of the same bytes (torch 2.13, 2 threads: 85 / 67 us
-    against 3.3 / 3.4 us for 262,144 entries; per row of a (200, 4096) mask 260 /
-    237 against 7 / 14 us), and they are one of the seed rule's three passes in an
-    eager step. Compiled, inductor's reductions are fast either way."""
+    torch's CPU ``all()`` / ``any()`` of a bool tensor are far slower than
+    ``min()`` / ``max()`` of the same bytes, and they are one of the seed rule's
+    three passes in an eager step (figures: docs/compile-notes.md, "Figures behind
+    the code"). Compiled, inductor's reductions are fast either way."""
     if (
         t.dtype is not torch.bool
         or t.device.type != "cpu"
