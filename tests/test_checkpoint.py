@@ -70,8 +70,7 @@ def test_the_old_argument_order_loads_the_same_with_a_deprecation_warning(tmp_pa
     with pytest.warns(
         DeprecationWarning,
         match=re.escape(
-            "fg.load_checkpoint(path, tx, params) is the argument order of earlier releases; "
-            "write fg.load_checkpoint(path, params, tx)"
+            "fg.load_checkpoint(path, tx, params) is the argument order of earlier releases; write fg.load_checkpoint(path, params, tx)"
         ),
     ):
         _, s_old, _ = fg.load_checkpoint(tmp_path / "ckpt.fg", tx_old, p_old)
