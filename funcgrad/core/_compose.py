@@ -35,7 +35,7 @@ def transform_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is active now.
 
     The interpreter stack is a private torch API: a torch without it is a clear
-    error here, not a guess (guessing "active" would refuse donated steps and
+    error (``funcgrad._compat``), not a guess (guessing "active" would refuse donated steps and
     collectives; guessing "not active" would give wrong derivatives).
     """
     return _compat.functorch_transform_active()

@@ -122,7 +122,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one:
+    a hidden temporary file beside it (``.name.*.tmp``), fsynced, renamed over
+    ``path``, then the directory fsynced (the rename itself on disk)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -263,10 +266,10 @@ def _plan(root: Path, extra: dict[str, Any], who: str) -> tuple[str, str | None]
 def _publish(root: Path, sub: Path, extra: dict[str, Any]) -> None:
     buf = io.BytesIO()
     torch.save(extra, buf)
-    _write_atomic(sub / EXTRA, buf.getvalue())
+    write_atomic(sub / EXTRA, buf.getvalue())
     manifest = {"format": _FORMAT, "files": {f: _sha256(sub / f) for f in _files(sub)}}
-    _write_atomic(sub / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _write_atomic(root / POINTER, (sub.name + "\n").encode())  # the commit point
+    write_atomic(sub / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_atomic(root / POINTER, (sub.name + "\n").encode())  # the commit point
     for old in root.iterdir():  # older checkpoints and unfinished saves
         if old.is_dir() and old.name.startswith("ckpt-") and old.name != sub.name:
             shutil.rmtree(old, ignore_errors=True)

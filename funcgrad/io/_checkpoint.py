@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -125,21 +124,7 @@ def save_checkpoint(path: str | os.PathLike[str], params: Any, state: Any, **ext
             "create it first."
         )
     blob = _MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:  # the rename itself on disk
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    dckpt.write_atomic(target, blob)
 
 
 def _read(path: Path) -> dict[str, Any]:

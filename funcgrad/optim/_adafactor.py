@@ -13,7 +13,16 @@ from torch import Tensor
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
 from ..rules import _rule_base as rb
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
+from ._hparams import (
+    DecayMask,
+    Hyper,
+    LearningRate,
+    as64,
+    check_lr,
+    check_weight_decay,
+    hyper,
+    nonzero,
+)
 from ._kernel import Entry, Spec, build
 
 
@@ -128,9 +137,7 @@ def adafactor(
         raise TypeError(f"Invalid d: {d!r}; expected a float >= 1.")
     if not 1.0 <= d:
         raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
-    check_number(
-        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
-    )
+    check_weight_decay(weight_decay)
     wd, decay_rate, clip = hyper(weight_decay), float(beta2_decay), float(d)
     has_decay = nonzero(wd)
 

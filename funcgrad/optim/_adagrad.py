@@ -10,7 +10,17 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
+from ._hparams import (
+    DecayMask,
+    Hyper,
+    LearningRate,
+    as64,
+    check_lr,
+    check_number,
+    check_weight_decay,
+    hyper,
+    nonzero,
+)
 from ._kernel import Entry, Spec, build
 
 
@@ -57,9 +67,7 @@ def adagrad(
     """
     check_lr(lr)
     check_number(lr_decay, "lr_decay value", lambda v: v >= 0.0, "Invalid lr_decay value: {}")
-    check_number(
-        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
-    )
+    check_weight_decay(weight_decay)
     check_number(
         initial_accumulator_value,
         "initial_accumulator_value value",

@@ -31,6 +31,7 @@ from ._hparams import (
     as64,
     check_lr,
     check_number,
+    check_weight_decay,
     compute_dtype,
     lr_now,
     lr_start,
@@ -92,9 +93,7 @@ def _check_hparams(
             "beta",
         )
     check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
-    check_number(
-        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
-    )
+    check_weight_decay(weight_decay)
     if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or not eps_root >= 0:
         raise ValueError(f"Invalid eps_root value: {eps_root!r}; expected a float >= 0.")
 

@@ -152,6 +152,13 @@ def lr_at(lr: LearningRate, count: Tensor) -> Tensor:
     return as64(value, count)
 
 
+def check_weight_decay(weight_decay: Hyper) -> None:
+    """torch.optim's check of ``weight_decay`` (a float or 0-d tensor, >= 0)."""
+    check_number(
+        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
+    )
+
+
 def nonzero(x: Hyper) -> bool:
     """A tensor hyperparameter counts as nonzero (no Python branch on its value)."""
     return isinstance(x, Tensor) or x != 0.0

@@ -12,7 +12,17 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
+from ._hparams import (
+    DecayMask,
+    Hyper,
+    LearningRate,
+    as64,
+    check_lr,
+    check_number,
+    check_weight_decay,
+    hyper,
+    nonzero,
+)
 from ._kernel import Entry, Spec, build
 
 
@@ -61,9 +71,7 @@ def lion(
             b, f"beta parameter at index {i}", lambda v: 0.0 <= v < 1.0,
             f"Invalid beta parameter at index {i}: {{}}", n,
         )  # fmt: skip
-    check_number(
-        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
-    )
+    check_weight_decay(weight_decay)
     h1, h2, wd = hyper(b1), hyper(b2), hyper(weight_decay)
     has_decay = nonzero(wd)
 

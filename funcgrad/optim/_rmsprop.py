@@ -10,7 +10,17 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
+from ._hparams import (
+    DecayMask,
+    Hyper,
+    LearningRate,
+    as64,
+    check_lr,
+    check_number,
+    check_weight_decay,
+    hyper,
+    nonzero,
+)
 from ._kernel import Entry, Spec, build
 
 
@@ -34,12 +44,6 @@ invariants(
     grad_avg="finite",
     lr="finite nonnegative",
 )
-
-
-def _check_decay(weight_decay: Hyper) -> None:
-    check_number(
-        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
-    )
 
 
 def rmsprop(
@@ -79,7 +83,7 @@ def rmsprop(
     check_lr(lr)
     check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
     check_number(momentum, "momentum value", lambda v: v >= 0.0, "Invalid momentum value: {}")
-    _check_decay(weight_decay)
+    check_weight_decay(weight_decay)
     check_number(alpha, "alpha value", lambda v: v >= 0.0, "Invalid alpha value: {}")
     a, e, wd, m = hyper(alpha), hyper(eps), hyper(weight_decay), hyper(momentum)
     has_decay, has_momentum = nonzero(wd), nonzero(m)

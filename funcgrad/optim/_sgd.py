@@ -11,7 +11,17 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, shardable
 from ..core._invariants import invariants
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
+from ._hparams import (
+    DecayMask,
+    Hyper,
+    LearningRate,
+    as64,
+    check_lr,
+    check_number,
+    check_weight_decay,
+    hyper,
+    nonzero,
+)
 from ._kernel import Entry, Spec, build
 
 
@@ -70,9 +80,7 @@ def sgd(
     check_lr(lr)
     check_number(momentum, "momentum value", lambda v: v >= 0.0, "Invalid momentum value: {}")
     check_number(dampening, "dampening value", lambda v: True, "")
-    check_number(
-        weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
-    )
+    check_weight_decay(weight_decay)
     has_momentum = nonzero(momentum)
     if nesterov and (not has_momentum or nonzero(dampening)):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
