@@ -256,8 +256,8 @@ def test_eager_donated_step_with_borrowed_buffers_equals_the_reference(monkeypat
     want_p, want_s, _, _ = reference(loss, ref_tx, p0, ref_tx.init(p0), data)
 
     taken = []
-    take = fg_scratch.Scratch.take
-    monkeypatch.setattr(fg_scratch.Scratch, "take", lambda *a: taken.append(1) or take(*a))
+    empty = fg_scratch.Scratch.empty
+    monkeypatch.setattr(fg_scratch.Scratch, "empty", lambda *a: taken.append(1) or empty(*a))
     tx = make(after_adam)
     step = fg.make_step(loss, tx, donate=True)
     params = fg.params(model)

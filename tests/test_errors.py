@@ -497,12 +497,12 @@ CASES = [
         lambda: fg.adam().update(P, fg.EmptyState()),
     ),
     (
-        "fg.adam.update: the state was made for parameters",
+        "fg.adam.update: the state does not fit these gradients",
         KeyError,
         lambda: fg.adam().update({"v": torch.ones(1)}, _adam_state()),
     ),
     (
-        "fg.adam(weight_decay=0.1) needs the parameters",
+        "fg.adam needs the parameters (for its weight decay or scale)",
         ValueError,
         lambda: fg.adam(weight_decay=0.1).update(P, _adam_state()),
     ),

@@ -167,7 +167,7 @@ def test_step_errors_before_tracing():
         match=re.escape("fg.chain.update: got a state that this chain's init did not make"),
     ):
         step(params, other.init(params), x)
-    with pytest.raises(KeyError, match=re.escape("the state was made for parameters")):
+    with pytest.raises(KeyError, match=re.escape("the state does not fit these gradients")):
         small = {"fc1.weight": params["fc1.weight"]}
         bad_state = fg.chain(fg.per_group(fg.rules.unchanged(), {}), fg.adam(lr=1e-2)).init(small)
         step(params, bad_state, x)

@@ -45,6 +45,15 @@ class Scratch:
         self.lent.append(t)
         return t
 
+    def release(self, t: Tensor) -> None:
+        """Take back ``t``, lent during this step and read no more, for this step's
+        next borrower (a kernel's temporary); anything else is left alone."""
+        for i, lent in enumerate(self.lent):
+            if lent is t:
+                del self.lent[i]
+                self.free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+                return
+
     def reclaim(self) -> None:
         """Take back everything lent: call only once nothing refers to it any more."""
         for t in self.lent:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, shardable
+from ..core._base import GradientTransformation
 from ..core._invariants import invariants
 from ..rules import _rule_base as rb
 from ._hparams import (
@@ -206,4 +206,4 @@ def adafactor(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec))
+    return build(spec)

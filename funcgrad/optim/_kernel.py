@@ -1,10 +1,11 @@
-"""What every optimizer after Adam shares: one step written once, per tensor.
+"""The one optimizer kernel: every optimizer's step written once, per tensor.
 
 An optimizer here is a :class:`Spec`: its state type (a NamedTuple ``count`` first,
 then one dict per kind of slot, e.g. ``momentum_buffer``), how each slot starts, the
 step's scalars (learning rate, bias corrections) as float64 0-d tensors, and a
-*kernel*: the update of one tensor from its gradient, parameter and slots, written
-without in-place ops. :func:`build` turns it into a ``GradientTransformation`` that
+*kernel*: the update of one tensor from its gradient, parameter and slots, computed
+through the operations :class:`Ops` gives it. :func:`build` turns it into a
+``GradientTransformation`` that
 
 - checks the state against the gradients (another optimizer's or model's state is
   a clear error, not a wrong step);
@@ -15,18 +16,22 @@ without in-place ops. :func:`build` turns it into a ``GradientTransformation`` t
 - computes float16/bfloat16 in float32 and stores the slots in their own dtype
   (torch's opmath), the update left in float32 for ``apply_updates`` to round once.
 
-There is one code path: the eager step is the traced math, so it is also what runs
-under ``torch.func`` transforms and differentiating autograd (no fast path to
-refuse: see funcgrad/core/_compose.py), bit for bit what ``torch.compile`` traces before
-inductor fuses it. Kernels take their elementwise operations from :class:`Ops`:
-inside the eager donated step each large result is written into a buffer kept from
-the previous step (``out=``) instead of a fresh allocation, whose pages would all
-fault on first write (funcgrad/core/_scratch.py) - the same operations, the same values.
+One kernel, three ways to run it, the same operations in the same order, so the same
+values bit for bit (``tests/test_one_kernel.py``):
+
+- traced by ``torch.compile``, under ``torch.func`` transforms and under
+  differentiating autograd: tensor by tensor, out of place (:data:`PLAIN`; no fast
+  path to refuse: see funcgrad/core/_compose.py);
+- eagerly, an elementwise kernel over lists of tensors, one ``torch._foreach_*`` call
+  per operation for each dtype (:class:`Lists`): fewer Python dispatches over many
+  small tensors;
+- inside the eager donated step, large CPU tensors one by one, each large result
+  written into a buffer kept from the previous step (``out=``) instead of a fresh
+  allocation, whose pages would all fault on first write (funcgrad/core/_scratch.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -41,6 +46,7 @@ from ..core._base import (
     check_state,
     has_lr,
     params_device,
+    shardable,
 )
 from ..core._compose import composing
 from ..core._fusion import realize
@@ -63,7 +69,14 @@ to each compute dtype once before the kernel sees them)."""
 class Ops:
     """The elementwise operations of a kernel, each ``torch``'s own; with a scratch
     (the eager donated step), a result of at least ``BIG`` entries is written into a
-    borrowed buffer (``out=``) instead of a new one. Same operations, same values."""
+    borrowed buffer (``out=``) instead of a new one. Same operations, same values.
+
+    The ``*_`` forms (``add_``, ``mul_``, ``sub_``) may write into their first
+    argument, which must be a result of the same kernel that is read no more: in place
+    where the step may write (eager, not traced or transformed), else out of place.
+    :meth:`release` hands a borrowed buffer that is read no more back for the rest
+    of the kernel to reuse. Both only save memory and allocations; the values are
+    those of the plain operations."""
 
     def __init__(self, scratch: Scratch | None = None) -> None:
         self.scratch = scratch
@@ -71,8 +84,11 @@ class Ops:
     def _call(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
         if self.scratch is not None:
             tensors = [a for a in args if isinstance(a, Tensor)]
-            shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-            if math.prod(shape) >= BIG:
+            big = max(tensors, key=Tensor.numel)
+            if big.numel() >= BIG:
+                shape = big.shape  # an elementwise kernel's: its tensors' or 0-d
+                if any(t.dim() and t.shape != shape for t in tensors):
+                    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
                 if fn is torch.where:
                     dtype = torch.result_type(args[1], args[2])
                 elif len(args) == 1:
@@ -83,23 +99,26 @@ class Ops:
                 return fn(*args, out=out)
         return fn(*args)
 
-    def add(self, a: Tensor, b: Tensor) -> Tensor:
+    def add(self, a: Tensor, b: Tensor | float) -> Tensor:
         return self._call(torch.add, a, b)
 
-    def sub(self, a: Tensor, b: Tensor) -> Tensor:
+    def sub(self, a: Tensor, b: Tensor | float) -> Tensor:
         return self._call(torch.sub, a, b)
 
-    def mul(self, a: Tensor, b: Tensor) -> Tensor:
+    def mul(self, a: Tensor | float, b: Tensor | float) -> Tensor:
         return self._call(torch.mul, a, b)
 
-    def div(self, a: Tensor, b: Tensor) -> Tensor:
+    def div(self, a: Tensor, b: Tensor | float) -> Tensor:
         return self._call(torch.div, a, b)
 
-    def lerp(self, a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
+    def lerp(self, a: Tensor, b: Tensor, weight: Tensor | float) -> Tensor:
         return self._call(torch.lerp, a, b, weight)
 
     def where(self, cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
         return self._call(torch.where, cond, a, b)
+
+    def maximum(self, a: Tensor, b: Tensor) -> Tensor:
+        return self._call(torch.maximum, a, b)
 
     def sqrt(self, a: Tensor) -> Tensor:
         return self._call(torch.sqrt, a)
@@ -110,9 +129,116 @@ class Ops:
     def neg(self, a: Tensor) -> Tensor:
         return self._call(torch.neg, a)
 
+    def add_(self, a: Tensor, b: Tensor | float) -> Tensor:
+        return torch.add(a, b) if self.scratch is None else a.add_(b)
+
+    def sub_(self, a: Tensor, b: Tensor | float) -> Tensor:
+        return torch.sub(a, b) if self.scratch is None else a.sub_(b)
+
+    def mul_(self, a: Tensor, b: Tensor | float) -> Tensor:
+        return torch.mul(a, b) if self.scratch is None else a.mul_(b)
+
+    def release(self, a: Tensor) -> None:
+        if self.scratch is not None:
+            self.scratch.release(a)
+
 
 PLAIN = Ops()
 """Operations that allocate their results (traced, transformed, or outside a step)."""
+
+
+class Lists(Ops):
+    """:class:`Ops` over lists of tensors (the multi-tensor path): each argument a
+    list (one tensor per parameter, all of a compute dtype) or a scalar shared by all
+    (a float or a 0-d tensor). One ``torch._foreach_*`` call where torch has the
+    overload, else the plain operation tensor by tensor. On the CPU torch's
+    ``_foreach_*`` run the plain operation on each tensor, so the values are those of
+    :class:`Ops`' bit for bit (tested); the lists cut the Python dispatches of an
+    eager step over many small tensors."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    @staticmethod
+    def _each(fn: Callable[..., Tensor], *args: Any) -> Any:
+        n = next(len(a) for a in args if isinstance(a, list))
+        return [fn(*(a[i] if isinstance(a, list) else a for a in args)) for i in range(n)]
+
+    @staticmethod
+    def _scalar(x: Any, tensor_ok: bool) -> bool:
+        """Whether ``x`` may go to a ``_foreach_*`` overload as the shared scalar."""
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return True
+        return tensor_ok and isinstance(x, Tensor) and x.dim() == 0
+
+    def _binary(
+        self, fn: Callable[..., Tensor], many: Callable[..., Any], a: Any, b: Any,
+        tensor_ok: bool, commutes: bool,
+    ) -> Any:  # fmt: skip
+        if isinstance(a, list) and (isinstance(b, list) or self._scalar(b, tensor_ok)):
+            return list(many(a, b))
+        if commutes and isinstance(b, list) and self._scalar(a, tensor_ok):
+            return list(many(b, a))  # IEEE addition and multiplication commute exactly
+        return self._each(fn, a, b)
+
+    def add(self, a: Any, b: Any) -> Any:
+        return self._binary(torch.add, torch._foreach_add, a, b, True, True)
+
+    def sub(self, a: Any, b: Any) -> Any:
+        return self._binary(torch.sub, torch._foreach_sub, a, b, False, False)
+
+    def mul(self, a: Any, b: Any) -> Any:
+        return self._binary(torch.mul, torch._foreach_mul, a, b, True, True)
+
+    def div(self, a: Any, b: Any) -> Any:
+        return self._binary(torch.div, torch._foreach_div, a, b, True, False)
+
+    def lerp(self, a: Any, b: Any, weight: Any) -> Any:
+        if isinstance(a, list) and isinstance(b, list) and self._scalar(weight, False):
+            return list(torch._foreach_lerp(a, b, weight))
+        return self._each(torch.lerp, a, b, weight)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return self._each(torch.where, cond, a, b)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        if isinstance(a, list) and isinstance(b, list):
+            return list(torch._foreach_maximum(a, b))
+        return self._each(torch.maximum, a, b)
+
+    def sqrt(self, a: Any) -> Any:
+        return list(torch._foreach_sqrt(a))
+
+    def sign(self, a: Any) -> Any:
+        return list(torch._foreach_sign(a))
+
+    def neg(self, a: Any) -> Any:
+        return list(torch._foreach_neg(a))
+
+    def _inplace(
+        self, many: Callable[..., Any], method: str, a: Any, b: Any, tensor_ok: bool
+    ) -> Any:
+        if isinstance(b, list) or self._scalar(b, tensor_ok):
+            many(a, b)
+        else:
+            for t in a:
+                getattr(t, method)(b)
+        return a
+
+    def add_(self, a: Any, b: Any) -> Any:
+        return self._inplace(torch._foreach_add_, "add_", a, b, True)
+
+    def sub_(self, a: Any, b: Any) -> Any:
+        return self._inplace(torch._foreach_sub_, "sub_", a, b, False)
+
+    def mul_(self, a: Any, b: Any) -> Any:
+        return self._inplace(torch._foreach_mul_, "mul_", a, b, True)
+
+    def release(self, a: Any) -> None:
+        pass
+
+
+LISTS = Lists()
 
 
 class Entry(NamedTuple):
@@ -148,6 +274,11 @@ class Spec(NamedTuple):
     depends only on the same entry of the inputs, so the kernel may run on whole
     flat buffers. ``has_decay``: the optimizer has weight decay, applied where
     ``mask`` says (the kernel's ``decays`` flag; always False without it).
+    ``multi_tensor`` (elementwise kernels only): the kernel computes on ``e.g``,
+    ``e.p`` and ``e.slots`` only through ``e.o`` (and on the scalars as it likes), so
+    it may run eagerly over lists of tensors (:class:`Lists`). Off where its
+    ``e.o`` calls would take a tensor hyperparameter of its own that the
+    ``_foreach_*`` overloads do not (Adam keeps such hyperparameters in its closure).
     """
 
     who: str
@@ -160,6 +291,7 @@ class Spec(NamedTuple):
     elementwise: bool
     has_decay: bool = False
     mask: DecayMask = None
+    multi_tensor: bool = True
 
 
 def build(spec: Spec) -> GradientTransformation:
@@ -218,7 +350,10 @@ def build(spec: Spec) -> GradientTransformation:
             updates, moved = out, {f: flat.like(t, keep) for f, t in new.items()}
         return updates, spec.state(count, *(moved.get(f, {}) for f in fields), lr=state.lr)
 
-    return has_lr(GradientTransformation(init, update), spec.lr)
+    # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
+    # pieces do not keep (fg.sharded then splits by rows)
+    tx = has_lr(GradientTransformation(init, update), spec.lr)
+    return shardable(tx, by_entry=spec.elementwise and not callable(spec.mask))
 
 
 def _start(spec: Spec, field: str, params: Params) -> Any:
@@ -228,7 +363,12 @@ def _start(spec: Spec, field: str, params: Params) -> Any:
         return {}
     if spec.elementwise and isinstance(params, flat.Flat):
         return flat.Flat([_started(start, b) for b in params.buffers], params.layout)
-    return {k: t for k, p in params.items() if (t := start(p.detach())) is not None}
+    out = {}
+    for k, p in params.items():  # a loop, not a comprehension with :=, which dynamo
+        t = start(p.detach())  # cannot trace (an optimizer built inside torch.compile)
+        if t is not None:
+            out[k] = t
+    return out
 
 
 def _started(start: Callable[[Tensor], Tensor | None], t: Tensor) -> Tensor:
@@ -293,26 +433,65 @@ def _run(
     decay: Mapping[str, bool],
     s64: dict[str, Tensor],
 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-    """The kernel on each tensor, in its compute dtype; slots stored back in theirs."""
+    """The kernel on each tensor, in its compute dtype; slots stored back in theirs.
+
+    Traced, transformed or recorded by autograd: tensor by tensor with :data:`PLAIN`
+    operations. Eagerly: an elementwise ``multi_tensor`` kernel runs once per
+    (dtype, weight decay) group over lists (:class:`Lists`), except for the large
+    CPU tensors of a donated step, which go tensor by tensor into borrowed buffers."""
     per_dtype: dict[torch.dtype, Scalars] = {}
     first = next(iter(grads.values()), None)
-    scratch = borrowing(first) if first is not None else None
-    if scratch is not None and composing(grads, params, *slots.values()):
-        scratch = None
+    # (meta tensors: make_step's shape checks, where _foreach_* with a 0-d tensor reads it)
+    plain = (
+        first is None
+        or first.device.type == "meta"
+        or composing(grads, params, *slots.values(), *s64.values())
+    )
+    scratch = None if plain or first is None else borrowing(first)
+    lists = spec.multi_tensor and spec.elementwise and not plain
     ops = PLAIN if scratch is None else Ops(scratch)
+    cast_params = params is not None and spec.needs_params
+
+    def scalars(dt: torch.dtype) -> Scalars:
+        if dt not in per_dtype:
+            per_dtype[dt] = _realized({n: _to(v, dt) for n, v in s64.items()})
+        return per_dtype[dt]
+
     updates: dict[str, Tensor] = {}
     new: dict[str, dict[str, Tensor]] = {f: {} for f in slots}
+    groups: dict[tuple[torch.dtype, bool], list[str]] = {}
     for k, g in grads.items():
-        mine = {f: t[k] for f, t in slots.items() if k in t}
         sdt = params[k].dtype if params is not None else g.dtype
+        if lists and (scratch is None or g.numel() < BIG):
+            groups.setdefault((sdt, decay.get(k, False)), []).append(k)
+            continue
+        mine = {f: t[k] for f, t in slots.items() if k in t}
         dt = compute_dtype(sdt)
-        if dt not in per_dtype:
-            per_dtype[dt] = _realized({n: v.to(dt) for n, v in s64.items()})
-        p = None if params is None else params[k].to(dt)
-        slots_dt = {f: t.to(dt) for f, t in mine.items()}
-        entry = Entry(k, g.to(dt), p, slots_dt, per_dtype[dt], decay.get(k, False), sdt, ops)
+        p = params[k].to(dt) if cast_params and params is not None else None
+        slots_dt = {f: _to(t, dt) for f, t in mine.items()}
+        entry = Entry(k, _to(g, dt), p, slots_dt, scalars(dt), decay.get(k, False), sdt, ops)
         u, out = spec.kernel(entry)
         updates[k] = u
         for f, t in out.items():
-            new[f][k] = t.to(mine[f].dtype)
+            new[f][k] = _to(t, mine[f].dtype)
+    for (sdt, decays), keys in groups.items():
+        dt = compute_dtype(sdt)
+        # Lists stand in for the tensors: Lists takes the kernel's operations over them.
+        g_list: Any = [_to(grads[k], dt) for k in keys]
+        p_list: Any = [params[k].to(dt) for k in keys] if cast_params and params else None
+        slot_lists: Any = {f: [_to(t[k], dt) for k in keys] for f, t in slots.items()}
+        entry = Entry("", g_list, p_list, slot_lists, scalars(dt), decays, sdt, LISTS)
+        u, out = spec.kernel(entry)
+        updates.update(zip(keys, u, strict=True))  # type: ignore[call-overload]
+        for f, ts in out.items():
+            for k, t in zip(keys, ts, strict=True):  # type: ignore[call-overload]
+                new[f][k] = _to(t, slots[f][k].dtype)
+    if groups:  # back in the gradients' order
+        updates = {k: updates[k] for k in grads}
+        new = {f: {k: t[k] for k in grads if k in t} for f, t in new.items()}
     return updates, new
+
+
+def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``, without the call when it would return ``t`` (eager overhead)."""
+    return t if t.dtype == dtype else t.to(dtype)

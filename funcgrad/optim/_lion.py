@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, shardable
+from ..core._base import GradientTransformation
 from ..core._invariants import invariants
 from ._hparams import (
     DecayMask,
@@ -103,4 +103,4 @@ def lion(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec), by_entry=not callable(mask))
+    return build(spec)

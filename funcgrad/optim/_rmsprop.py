@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, shardable
+from ..core._base import GradientTransformation
 from ..core._invariants import invariants
 from ._hparams import (
     DecayMask,
@@ -136,4 +136,4 @@ def rmsprop(
         has_decay=has_decay,
         mask=mask,
     )
-    return shardable(build(spec), by_entry=not callable(mask))
+    return build(spec)
