@@ -75,6 +75,7 @@ from .torch_optim import Optimizer as Optimizer
 from .transforms._accumulate import AccumulateState as AccumulateState
 from .transforms._accumulate import accumulate as accumulate
 from .transforms._clip import clip_by_global_norm as clip_by_global_norm
+from .transforms._clip import ghost_clip as ghost_clip
 from .transforms._noise import AddNoiseState as AddNoiseState
 from .transforms._noise import add_noise as add_noise
 from .transforms._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState

@@ -23,12 +23,15 @@ import torch
 # The pytree that dynamo traces natively (optree's functions are traced through a
 # polyfill, measured slower to trace: funcgrad/core/_tree.py). Checked on 2.13, 2.14.
 # Replacement: torch.utils.pytree (public, optree-backed) once dynamo traces it as
-# cheaply; then these become its tree_map / tree_map_only / register_pytree_node.
+# cheaply; then these become its tree_map / tree_map_only / register_pytree_node /
+# tree_flatten / tree_unflatten.
 import torch.utils._pytree as pytree
 
 tree_map = pytree.tree_map
 tree_map_only = pytree.tree_map_only
 register_pytree_node = pytree.register_pytree_node
+tree_flatten = pytree.tree_flatten  # (leaves, spec); None and numbers are leaves
+tree_unflatten = pytree.tree_unflatten  # (leaves, spec) -> tree
 
 # -- torch._C._functorch ---------------------------------------------------------------
 # Whether a torch.func transform (grad, vmap, ...) is active, and whether a tensor is

@@ -25,6 +25,11 @@ def test_pytree_maps_and_registers():
     _compat.register_pytree_node(Box, lambda b: ([b.x], None), lambda children, _: Box(children[0]))
     boxed = _compat.tree_map(lambda x: x + 1, Box(torch.zeros(1)))
     assert isinstance(boxed, Box) and boxed.x.item() == 1.0
+    # flatten / unflatten: None and numbers are leaves too
+    leaves, spec = _compat.tree_flatten(((torch.ones(1), None), {"k": 2}))
+    assert len(leaves) == 3 and leaves[1] is None and leaves[2] == 2
+    back = _compat.tree_unflatten([torch.zeros(1), None, 5], spec)
+    assert back[0][1] is None and back[1] == {"k": 5} and torch.equal(back[0][0], torch.zeros(1))
 
 
 def test_functorch_interpreter_stack_and_wrappers():

@@ -129,6 +129,9 @@ class _Facts:
     """The learning rate it was built with (an optimizer: a float, a 0-d tensor or a
     schedule), read by ``fg.Optimizer`` to start its param group's ``"lr"``. Never
     written after the build: the learning rate in use is the optimizer state's ``lr``."""
+    ghost: tuple[float, str] | None = None
+    """Built by ``fg.ghost_clip(max_norm, reduction)``: ``fg.make_step(per_sample=)``
+    computes it from per-sample gradient norms (funcgrad/step/_ghost.py)."""
 
 
 _FACTS: weakref.WeakKeyDictionary[Any, _Facts] = weakref.WeakKeyDictionary()
@@ -144,6 +147,17 @@ def _facts(tx: GradientTransformation) -> _Facts:
     if facts is None:
         facts = _FACTS[tx.update] = _Facts()
     return facts
+
+
+def ghost(tx: GradientTransformation, how: tuple[float, str] | None = None) -> Any:
+    """With ``how``: record that ``tx`` is ``fg.ghost_clip(*how)`` and return ``tx``;
+    without: what was recorded (``(max_norm, reduction)``), or None."""
+    if how is None:
+        facts = _FACTS.get(tx.update)
+        return None if facts is None else facts.ghost
+    if not torch.compiler.is_compiling():
+        _facts(tx).ghost = how
+    return tx
 
 
 def has_lr(tx: GradientTransformation, lr: Any) -> GradientTransformation:

@@ -48,6 +48,7 @@ from ..core._base import (
     Params,
     State,
     apply_updates,
+    ghost,
     updates_as_params,
 )
 from ..core._compose import transform_active
@@ -56,6 +57,7 @@ from ..core._scratch import Scratch, lending
 from ..core._tree import commit, copy_into, sigint_held, tree_map
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
+from ._ghost import ghost_gradients
 from ._model import watching_buffers
 from ._per_sample import vmapped_grads
 
@@ -92,6 +94,9 @@ def _gradients(
             return grads, loss, None, aux
 
         return plain
+    how = ghost(per_sample)
+    if how is not None:  # fg.ghost_clip: from per-sample norms, no per-sample gradients
+        return ghost_gradients(loss_fn, has_aux, *how)
     batched = vmapped_grads(loss_fn, has_aux, each=per_sample)
 
     def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:

@@ -1,0 +1,405 @@
+"""fg.ghost_clip: per-sample clipping from per-sample norms (funcgrad/step/_ghost.py),
+against the vmap path (``per_sample=fg.clip_by_global_norm``) and a Python loop over
+samples, in float64, for every layer type it has a rule for, the vmap fallback, tied
+weights and a module called twice; eager and compiled (inductor, one graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+import funcgrad as fg
+from funcgrad.step._ghost import ghost_gradients
+
+C = 0.7  # below most samples' norms here, so most are clipped, some not
+
+
+class Scaled(nn.Module):
+    """A module with a parameter of its own around a child: the vmap fallback."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.inner = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+class Tied(nn.Module):
+    """Embedding and output head share one weight; the block runs twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=0)
+        self.block = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 11, bias=True)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = torch.tanh(self.block(torch.tanh(self.block(h))))
+        return self.head(self.norm(h)).mean(1)
+
+
+def _models():
+    """name -> (model, batch maker(generator) -> (x, y), loss kind)."""
+    torch.manual_seed(0)
+    seq = 5
+    out = {
+        "mlp": (
+            nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 4)),
+            lambda g: (torch.randn(6, 7, generator=g), torch.randint(0, 4, (6,), generator=g)),
+        ),
+        # T = 5, in = 2, out = 3: T (in + out) > in out, the per-sample matrix; then
+        # in = out = 16: the Gram form
+        "sequence": (
+            nn.Sequential(
+                nn.Linear(2, 3),
+                nn.GELU(),
+                nn.Linear(3, 16),
+                nn.Linear(16, 16),
+                nn.Flatten(),
+                nn.Linear(16 * seq, 4),
+            ),
+            lambda g: (torch.randn(6, seq, 2, generator=g), torch.randint(0, 4, (6,), generator=g)),
+        ),
+        "cnn": (
+            nn.Sequential(
+                nn.Conv2d(2, 4, 3, padding=1, stride=(1, 2)),
+                nn.GroupNorm(2, 4),
+                nn.ReLU(),
+                nn.Conv2d(4, 3, 2, dilation=2),
+                nn.Flatten(),
+                nn.Linear(3 * 4 * 1, 4),
+            ),
+            lambda g: (
+                torch.randn(6, 2, 6, 5, generator=g),
+                torch.randint(0, 4, (6,), generator=g),
+            ),
+        ),
+        "conv1d-rmsnorm": (
+            nn.Sequential(
+                nn.Conv1d(3, 4, 3, padding=2, stride=2),
+                nn.Flatten(),
+                nn.RMSNorm(20),
+                nn.Linear(20, 4),
+            ),
+            lambda g: (torch.randn(6, 3, 7, generator=g), torch.randint(0, 4, (6,), generator=g)),
+        ),
+        "fallback": (
+            nn.Sequential(Scaled(5), nn.Tanh(), nn.Linear(5, 4)),
+            lambda g: (torch.randn(6, 5, generator=g), torch.randint(0, 4, (6,), generator=g)),
+        ),
+        "embedding-padding": (
+            nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Flatten(), nn.Linear(4 * 5, 4)),
+            lambda g: (
+                torch.randint(0, 3, (6, 5), generator=g),  # repeats, and padding rows
+                torch.randint(0, 4, (6,), generator=g),
+            ),
+        ),
+        "tied-twice-padding": (
+            Tied(),
+            lambda g: (
+                torch.cat(
+                    [
+                        torch.zeros(6, 1, dtype=torch.long),
+                        torch.randint(0, 11, (6, 4), generator=g),
+                    ],
+                    1,
+                ),
+                torch.randint(0, 11, (6,), generator=g),
+            ),
+        ),
+    }
+    return {k: (m.double(), make) for k, (m, make) in out.items()}
+
+
+MODELS = _models()
+
+
+def _loss(model):
+    def loss(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    return loss
+
+
+def _loop_reference(model, params, x, y, max_norm):
+    """Each sample alone through plain autograd, clipped as clip_norm does, averaged."""
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    norms = []
+    for i in range(x.shape[0]):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+        loss = _loss(model)(leaves, x[i : i + 1], y[i : i + 1])
+        gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        gs = [
+            torch.zeros_like(p) if g is None else g
+            for g, p in zip(gs, leaves.values(), strict=True)
+        ]
+        norm = torch.sqrt(sum(g.square().sum() for g in gs))
+        norms.append(norm)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for k, g in zip(leaves, gs, strict=True):
+            total[k] += coef * g / x.shape[0]
+    return total, torch.stack(norms)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ghost_gradients_equal_the_vmap_path_and_a_loop_over_samples(name):
+    model, make = MODELS[name]
+    params = fg.params(model)
+    x, y = make(torch.Generator().manual_seed(1))
+    if x.is_floating_point():
+        x = x.double()
+    ghost, loss, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params.views(), x, y)
+    want, norms = _loop_reference(model, params.views(), x, y, C)
+    assert ((norms > C).any() and (norms < 1.5 * C).any()) or (norms > C).all()
+    for k in want:
+        torch.testing.assert_close(ghost[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+    vmapped = fg.make_step(_loss(model), fg.sgd(lr=1.0), per_sample=fg.clip_by_global_norm(C))
+    p = {k: v.clone() for k, v in params.views().items()}
+    new, _, vloss = vmapped(p, fg.sgd(lr=1.0).init(p), x, y)
+    for k in want:  # sgd(lr=1): new = p - grads
+        torch.testing.assert_close(p[k] - new[k], ghost[k], rtol=1e-10, atol=1e-12, msg=k)
+    torch.testing.assert_close(loss, vloss, rtol=1e-12, atol=0)
+
+
+def _seed_tx(model):
+    groups = fg.group_by_module(model)
+    return fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=1e-2))
+
+
+def _train(model, per_sample, steps=4, compile=False, reduction_sum=False):
+    torch.manual_seed(0)
+    m = MODELS["mlp"][0] if model is None else model
+    params = {k: v.clone() for k, v in fg.params(m).views().items()}
+    tx = _seed_tx(m)
+    state = tx.init(params)
+
+    def loss(p, x, y):
+        out = nn.functional.cross_entropy(
+            fg.call(m, p, x), y, reduction="sum" if reduction_sum else "mean"
+        )
+        return out
+
+    step = fg.make_step(loss, tx, per_sample=per_sample, compile=compile)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(6, 7, generator=g, dtype=torch.float64)
+        x[:, 0] = 0.0  # exact zeros in fc1's gradient column: the seed rule fires
+        y = torch.randint(0, 4, (6,), generator=g)
+        params, state, loss_value = step(params, state, x, y)
+        losses.append(loss_value)
+    return params, state, torch.stack(losses)
+
+
+def test_make_step_with_ghost_clip_trains_as_the_vmap_path_with_the_seed_rule():
+    """Several Adam steps behind the seed rule (zero_fix per module): float64, 1e-10."""
+    want = _train(None, fg.clip_by_global_norm(C))
+    got = _train(None, fg.ghost_clip(C))
+    for k in want[0]:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=0)
+
+
+def test_reduction_sum_for_a_loss_summed_over_the_batch():
+    want = _train(None, fg.clip_by_global_norm(C), reduction_sum=True)
+    got = _train(None, fg.ghost_clip(C, reduction="sum"), reduction_sum=True)
+    for k in want[0]:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=0)
+
+
+def test_ghost_clip_outside_make_step_is_clip_by_global_norm():
+    grads = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+    tx = fg.ghost_clip(1.0)
+    got, _ = tx.update(grads, tx.init(grads))
+    want, _ = fg.clip_by_global_norm(1.0).update(grads, fg.EmptyState())
+    assert all(torch.equal(got[k], want[k]) for k in grads)
+
+
+def test_compiled_ghost_step_equals_eager_in_one_graph_with_inductor():
+    """compile=True with inductor (float32 and float64): the eager ghost step's values
+    and one graph over 4 steps (CompileCounter counts the frames dynamo compiles)."""
+    for dtype, tol in ((torch.float64, dict(rtol=1e-10, atol=1e-12)),
+                       (torch.float32, dict(rtol=1e-5, atol=1e-6))):  # fmt: skip
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 4)).to(dtype)
+
+        def loss(p, x, y, model=model):
+            return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+        runs = []
+        for compile in (False, True):
+            params = {k: v.clone() for k, v in fg.params(model).views().items()}
+            tx = _seed_tx(model)
+            state = tx.init(params)
+            step = fg.make_step(loss, tx, per_sample=fg.ghost_clip(C), compile=compile)
+            g = torch.Generator().manual_seed(3)
+            for _ in range(4):
+                x = torch.randn(6, 7, generator=g, dtype=dtype)
+                y = torch.randint(0, 4, (6,), generator=g)
+                params, state, _ = step(params, state, x, y)
+            runs.append(params)
+        for k in runs[0]:
+            torch.testing.assert_close(runs[1][k], runs[0][k], **tol)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = MODELS["mlp"][0]
+    tx = _seed_tx(model)
+    step = fg.make_step(_loss(model), tx, per_sample=fg.ghost_clip(C),
+                        compile={"backend": counter})  # fmt: skip
+    params = fg.params(model)
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(6, 7, generator=g, dtype=torch.float64)
+        params, state, _ = step(params, state, x, torch.randint(0, 4, (6,), generator=g))
+    assert counter.frame_count == 1
+
+
+def test_dp_sgd_with_noise_equals_the_vmap_path():
+    """fg.add_noise after the clip: the same noise from the same seed on both paths."""
+    runs = []
+    for per_sample in (fg.clip_by_global_norm(C), fg.ghost_clip(C)):
+        model = MODELS["mlp"][0]
+        tx = fg.chain(fg.add_noise(C * 0.5 / 6, seed=4), fg.sgd(lr=0.1))
+        params = {k: v.clone() for k, v in fg.params(model).views().items()}
+        state = tx.init(params)
+        step = fg.make_step(_loss(model), tx, per_sample=per_sample)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(6, 7, generator=g, dtype=torch.float64)
+            params, state, _ = step(params, state, x, torch.randint(0, 4, (6,), generator=g))
+        runs.append(params)
+    for k in runs[0]:
+        torch.testing.assert_close(runs[1][k], runs[0][k], rtol=1e-10, atol=1e-12)
+
+
+def test_frozen_parameters_are_left_out():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 4)).double()
+    model[0].weight.requires_grad_(False)
+    params = fg.params(model)
+    assert "0.weight" not in params
+    x = torch.randn(6, 7, dtype=torch.float64)
+    y = torch.randint(0, 4, (6,))
+    got, *_ = ghost_gradients(_loss(model), False, C, "mean")(params.views(), x, y)
+    want, _ = _loop_reference(model, params.views(), x, y, C)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12)
+
+
+def test_two_models_share_the_hook_and_other_modules_are_untouched():
+    """The forward hook is global and inert outside a ghost pass: two ghost steps on
+    two models, interleaved, each equal to its own vmap run; a plain forward between
+    them gives the module's own output."""
+    a, b = MODELS["mlp"][0], MODELS["sequence"][0]
+    make_a, make_b = MODELS["mlp"][1], MODELS["sequence"][1]
+    g = torch.Generator().manual_seed(7)
+    xa, ya = make_a(g)
+    xb, yb = make_b(g)
+    xa, xb = xa.double(), xb.double()
+    fa = ghost_gradients(_loss(a), False, C, "mean")
+    fb = ghost_gradients(_loss(b), False, C, "mean")
+    pa, pb = fg.params(a).views(), fg.params(b).views()
+    got_a, *_ = fa(pa, xa, ya)
+    plain = a(xa)
+    got_b, *_ = fb(pb, xb, yb)
+    with torch.no_grad():
+        torch.testing.assert_close(plain, torch.func.functional_call(a, dict(pa), (xa,)))
+    for got, (model, p, x, y) in ((got_a, (a, pa, xa, ya)), (got_b, (b, pb, xb, yb))):
+        want, _ = _loop_reference(model, p, x, y, C)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12)
+
+
+def test_train_mode_batchnorm_is_refused_with_the_per_sample_message():
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).double()
+    step = fg.make_step(_loss(model), fg.sgd(lr=0.1), per_sample=fg.ghost_clip(1.0))
+    params = fg.params(model)
+    with pytest.raises(RuntimeError, match="BatchNorm in train mode"):
+        step(params, fg.sgd(lr=0.1).init(params), torch.randn(5, 4, dtype=torch.float64),
+             torch.randint(0, 2, (5,)))  # fmt: skip
+
+
+def test_a_parameter_read_outside_its_module_is_a_clear_error():
+    model = nn.Linear(3, 2).double()
+    extra = {"temperature": torch.tensor(2.0, dtype=torch.float64)}
+
+    def loss(p, x, y):
+        logits = fg.call(model, {k: v for k, v in p.items() if k != "temperature"}, x)
+        return nn.functional.cross_entropy(logits / p["temperature"], y)
+
+    params = {**dict(fg.params(model).views()), **extra}
+    with pytest.raises(
+        ValueError, match=r"parameters \['temperature'\] are not used by any module"
+    ):
+        ghost_gradients(loss, False, 1.0, "mean")(params, torch.randn(4, 3, dtype=torch.float64),
+                                                  torch.randint(0, 2, (4,)))  # fmt: skip
+
+
+def test_a_module_that_does_not_keep_the_batch_first_is_a_clear_error():
+    model = nn.Linear(4, 3).double()
+
+    def loss(p, x, y):  # a sequence-first layout: (T, B, D)
+        out = fg.call(model, p, x.transpose(0, 1))
+        return nn.functional.cross_entropy(out.mean(0), y)
+
+    with pytest.raises(ValueError, match="whose leading dimension is not the batch"):
+        ghost_gradients(loss, False, 1.0, "mean")(
+            fg.params(model).views(), torch.randn(5, 3, 4, dtype=torch.float64),
+            torch.randint(0, 3, (5,)),
+        )  # fmt: skip
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        fg.ghost_clip(0.0)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        fg.ghost_clip(1.0, reduction="none")
+
+
+def test_compiled_first_in_a_fresh_process():
+    """The compiled ghost step as a process's first ghost pass (dynamo guards on the
+    thread's tap state, which must exist before the step sets it): one graph, equal
+    to the eager ghost step run after it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, funcgrad as fg
+        from torch._dynamo.utils import counters
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 4)).double()
+        def loss(p, x, y):
+            return nn.functional.cross_entropy(fg.call(model, p, x), y)
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(6, 7, generator=g, dtype=torch.float64),
+                 torch.randint(0, 4, (6,), generator=g)) for _ in range(3)]
+        out = []
+        for compile in (True, False):
+            tx = fg.adam(lr=0.01)
+            p = {k: v.clone() for k, v in fg.params(model).views().items()}
+            s = tx.init(p)
+            step = fg.make_step(loss, tx, per_sample=fg.ghost_clip(0.7), compile=compile)
+            for x, y in data:
+                p, s, _ = step(p, s, x, y)
+            out.append(p)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        for k in out[0]:
+            torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-10, atol=1e-12)
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
