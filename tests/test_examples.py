@@ -47,11 +47,22 @@ def test_seed_rule_example_rejects_bad_input():
 
 
 def test_dp_sgd_example_learns(capsys):
-    out = dp_sgd.main(["--epochs", "2", "--no-compile"])
-    assert out["test_accuracy"] > 0.5  # 10 classes: chance is 0.1
+    out = dp_sgd.main(["--epochs", "2", "--no-compile", "--compare"])
+    assert out["test_accuracy"] > 0.5 and out["ghost"]  # 10 classes: chance is 0.1
     text = capsys.readouterr().out
-    assert "test accuracy" in text
+    assert "test accuracy" in text and "clipped with fg.ghost_clip" in text
+    assert "eager steps/s at batch 64: ghost" in text
     assert close(summary_of(text, "dp_sgd")["test_acc"], out["test_accuracy"])
+
+
+def test_dp_sgd_example_ghost_and_vmap_train_the_same_model(capsys):
+    """The two clipping paths, eager, float32, two epochs: the same test accuracy and
+    loss to float32 rounding (each path's sums run in another order)."""
+    ghost = dp_sgd.main(["--epochs", "2", "--no-compile"])
+    vmapped = dp_sgd.main(["--epochs", "2", "--no-compile", "--no-ghost"])
+    assert ghost["ghost"] and not vmapped["ghost"]
+    assert abs(ghost["loss"] - vmapped["loss"]) < 1e-3
+    assert abs(ghost["test_accuracy"] - vmapped["test_accuracy"]) <= 0.01
 
 
 def test_ddp_example_runs_on_two_ranks_replicated_and_sharded():
@@ -332,3 +343,15 @@ def test_example_help_answers_before_torch_imports_and_shows_defaults(name):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.rstrip().endswith("NO_TORCH"), out.stdout[-500:]
     assert "usage:" in out.stdout and "default" in out.stdout
+
+
+def test_per_sample_page_snippet_runs_and_trains_a_step():
+    """docs/per-sample.md's snippet: a compiled ghost-clipped DP-SGD step runs and
+    takes one Adam step."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "per-sample.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    scope: dict = {}
+    exec(code, scope)
+    assert int(scope["state"][1].count) == 1 and scope["loss"].isfinite()

@@ -28,6 +28,23 @@ class Scaled(nn.Module):
         return self.inner(x) * self.scale
 
 
+class Positional(nn.Module):
+    """A positional embedding on arange (no batch dimension: shared by the samples),
+    with as many positions as samples, so only the probe at two batch sizes can tell."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(9, 4)
+        self.pos = nn.Embedding(t, 4)
+        self.scale = Scaled(4)  # the fallback, also on a shared input
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1])
+        h = self.tok(idx) + self.pos(pos) + self.scale(self.pos(pos))
+        return self.head(torch.tanh(h)).mean(1)
+
+
 class Tied(nn.Module):
     """Embedding and output head share one weight; the block runs twice."""
 
@@ -81,6 +98,23 @@ def _models():
                 torch.randint(0, 4, (6,), generator=g),
             ),
         ),
+        # Cin * kernel >= 64: per-sample weight gradients by one grouped convolution
+        "conv2d-grouped": (
+            nn.Sequential(
+                nn.Conv2d(8, 5, 3, padding=(1, 2), stride=(2, 1), dilation=(1, 2)),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.Linear(5 * 3 * 5, 4),
+            ),
+            lambda g: (
+                torch.randn(6, 8, 6, 5, generator=g),
+                torch.randint(0, 4, (6,), generator=g),
+            ),
+        ),
+        "conv1d-grouped": (
+            nn.Sequential(nn.Conv1d(24, 3, 3, padding=1, stride=2), nn.Flatten(), nn.Linear(12, 4)),
+            lambda g: (torch.randn(6, 24, 7, generator=g), torch.randint(0, 4, (6,), generator=g)),
+        ),
         "conv1d-rmsnorm": (
             nn.Sequential(
                 nn.Conv1d(3, 4, 3, padding=2, stride=2),
@@ -99,6 +133,13 @@ def _models():
             lambda g: (
                 torch.randint(0, 3, (6, 5), generator=g),  # repeats, and padding rows
                 torch.randint(0, 4, (6,), generator=g),
+            ),
+        ),
+        "positional-shared": (
+            Positional(6),
+            lambda g: (
+                torch.randint(0, 9, (6, 6), generator=g),
+                torch.randint(0, 3, (6,), generator=g),
             ),
         ),
         "tied-twice-padding": (

@@ -31,6 +31,7 @@ signature; traced by ``torch.compile`` it is a forward whose results are unused.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +66,7 @@ class _Tap(threading.local):
         self.zs: Sequence[Tensor] = ()
         self.used = 0
         self.calls: list[_Call] | None = None
+        self.shared: Sequence[bool] = ()
         self.batch = 0
 
 
@@ -86,6 +88,7 @@ class _Call:
         # For a module without a rule of its own (_Vmapped): the tensors its subtree ran
         # with (functional_call puts the module's own back after the pass).
         self.state: dict[str, Tensor] = {}
+        self.shared = False  # called without the batch (a positional embedding on arange)
         self.leaves: list[Any] = []  # (args, kwargs) flattened, while torch.func unwraps
         self.spec: Any = None
 
@@ -127,32 +130,28 @@ def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         raise RuntimeError(f"fg.ghost_clip: {PER_SAMPLE_BATCHNORM}")
     leaves, spec = _float_leaves(output)
     slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
-    for i in slots:
-        t = leaves[i]
-        if t.dim() == 0 or t.shape[0] != _TAP.batch:
-            raise ValueError(
-                f"fg.ghost_clip: {type(module).__name__} (parameters "
-                f"{sorted(names.values())}) returned a tensor of shape {tuple(t.shape)}, "
-                f"whose leading dimension is not the batch ({_TAP.batch}). Ghost clipping "
-                "needs every module with trained parameters to keep the batch first "
-                "(batch_first=True for RNNs and attention); use "
-                "per_sample=fg.clip_by_global_norm(max_norm) otherwise."
-            )
     if mode == "probe":
         assert _TAP.shapes is not None
+        index = len(_TAP.shapes)
         _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
+        if index < len(_TAP.shared) and _TAP.shared[index]:  # as the tap pass will: batched
+            new = list(leaves)
+            for i in slots:
+                new[i] = leaves[i].expand(_TAP.batch, *leaves[i].shape)
+            return tree_unflatten(new, spec)
         return None
     assert _TAP.calls is not None
+    shared = _TAP.shared[len(_TAP.calls)]
     new = list(leaves)
-    for i in slots:
+    for i in slots:  # a call without the batch (shared by the samples) gets it here
         new[i] = leaves[i] + _TAP.zs[_TAP.used]
         _TAP.used += 1
     call = _Call(module, names, args, kwargs, len(slots))
-    if type(module) not in _RULES:
-        call.state = {
-            **dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False)),
-        }
+    call.shared = shared
+    call.state = {  # a module in _RULES may still need it: see _layer
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
     _TAP.calls.append(call)
     return tree_unflatten(new, spec)
 
@@ -175,7 +174,7 @@ class _Passing:
 
     def __exit__(self, *exc: object) -> None:
         _TAP.mode, _TAP.named, _TAP.shapes, _TAP.zs, _TAP.calls = None, (), None, (), None
-        _TAP.used = 0
+        _TAP.used, _TAP.shared = 0, ()
 
 
 def _signature(params: Params, batch: tuple[Any, ...]) -> Any:
@@ -187,40 +186,110 @@ def _signature(params: Params, batch: tuple[Any, ...]) -> Any:
     return (tuple((k, sig(v)) for k, v in params.items()), tuple(sig(b) for b in batch))
 
 
-def _probe(
-    loss_fn: LossFn, params: Params, batch: tuple[Any, ...], n: int, cache: dict[Any, Shapes]
+Plan = list[tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]]
+"""Per tapped call: its floating outputs' shapes and dtypes in the step's batch, and
+whether the call is shared by the samples (no batch dimension: its ``z``'s get one)."""
+
+
+def _pass_shapes(
+    loss_fn: LossFn,
+    params: Params,
+    batch: tuple[Any, ...],
+    n: int,
+    rows: int,
+    meta: bool,
+    shared: Sequence[bool],
 ) -> Shapes:
-    """The output shapes of the modules the tap pass will tap, in call order; eagerly
-    from a forward on meta tensors, cached in ``cache`` (one per ghost step) by the
-    inputs' signature."""
-    if torch.compiler.is_compiling():  # traced: a forward whose results are unused
-        with _Passing("probe", list(params.items()), n) as tap, torch.no_grad():
-            tap.shapes = []
-            loss_fn(params, *batch)
-            return tap.shapes
-    key = _signature(params, batch)
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
+    """One probe pass with the batch tensors at ``rows`` rows: the tapped outputs' shapes."""
 
-    def meta(t: Any) -> Any:
-        return torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t
+    def resized(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if meta:
+            shape = (rows, *t.shape[1:]) if t.dim() and t.shape[0] == n else t.shape
+            return torch.empty(shape, dtype=t.dtype, device="meta")
+        if rows == n or not t.dim() or t.shape[0] != n:
+            return t
+        return torch.cat([t, t[: rows - n]])
 
-    mparams = {k: meta(v) for k, v in params.items()}
-    try:
-        with _Passing("probe", list(mparams.items()), n) as tap, torch.no_grad():
-            tap.shapes = []
-            loss_fn(mparams, *(meta(b) for b in batch))
-            shapes = tap.shapes
-    except (NotImplementedError, RuntimeError):  # an op without a meta kernel
-        with _Passing("probe", list(params.items()), n) as tap, torch.no_grad():
-            tap.shapes = []
-            loss_fn(params, *batch)
-            shapes = tap.shapes
-    if len(cache) > 64:  # shapes that keep changing: keep the cache small
-        cache.clear()
-    cache[key] = shapes
-    return shapes
+    p = {k: torch.empty_like(v, device="meta") for k, v in params.items()} if meta else params
+    with _Passing("probe", list(p.items()), rows) as tap, torch.no_grad():
+        tap.shapes, tap.shared = [], shared
+        loss_fn(p, *(resized(b) for b in batch))
+        return tap.shapes
+
+
+def _plan(at_n: Shapes, at_more: Shapes, n: int) -> Plan:
+    """Which calls are batched (their leading dimension follows the rows) and which are
+    shared (no dimension does); anything else is an error."""
+    plan: Plan = []
+    if len(at_n) != len(at_more):
+        raise RuntimeError(
+            "fg.ghost_clip: the loss called a different number of modules with trained "
+            f"parameters at {n} and {n + 1} samples ({len(at_n)} and {len(at_more)}): "
+            "it must call the same modules whatever the batch size."
+        )
+    for one, more in zip(at_n, at_more, strict=True):
+        shared = [a == b for (a, _), (b, _) in zip(one, more, strict=True)]
+        batched = [
+            len(a) > 0 and a[0] == n and b[0] == n + 1 and a[1:] == b[1:]
+            for (a, _), (b, _) in zip(one, more, strict=True)
+        ]
+        if not (all(shared) or all(batched)):
+            bad = [a for (a, _), ok in zip(one, batched, strict=True) if not ok]
+            raise ValueError(
+                f"fg.ghost_clip: a module with trained parameters returned a tensor of "
+                f"shape {bad[0]} whose leading dimension is not the batch ({n}). Ghost "
+                "clipping needs every module with trained parameters to keep the batch "
+                "first (batch_first=True for RNNs and attention), or to run without it "
+                "(a positional embedding on arange); use "
+                "per_sample=fg.clip_by_global_norm(max_norm) otherwise."
+            )
+        plan.append((one, all(shared) and bool(one)))
+    return plan
+
+
+def _probe(
+    loss_fn: LossFn, params: Params, batch: tuple[Any, ...], n: int, cache: dict[Any, Plan]
+) -> Plan:
+    """What the tap pass will tap, in call order, found by two probe passes at ``n`` and
+    ``n + 1`` rows: a dimension that follows the rows is the batch. Eagerly on meta
+    tensors, cached in ``cache`` (one per ghost step) by the inputs' signature; traced,
+    forwards whose results are unused."""
+    key = None
+    if not torch.compiler.is_compiling():
+        key = _signature(params, batch)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    meta = not torch.compiler.is_compiling()
+    plan: Plan = []
+    # A shared call's output gets the batch in the tap pass, and a module it feeds then
+    # sees a batched input: a call's side depends on the calls before it. Probe again
+    # with the shared calls found so far batched, each time settling the calls up to
+    # the next shared one (once per shared call, plus one).
+    settled: list[bool] = []
+    for _ in range(1 + 4096):
+        try:
+            at_n, at_more = (
+                _pass_shapes(loss_fn, params, batch, n, r, meta, settled) for r in (n, n + 1)
+            )
+        except (NotImplementedError, RuntimeError):  # an op without a meta kernel
+            if not meta:
+                raise
+            meta = False
+            continue
+        plan = _plan(at_n, at_more, n)
+        now = [sh for _, sh in plan]
+        later = [i for i in range(len(settled), len(now)) if now[i]]
+        if not later:
+            break
+        settled = now[: later[0] + 1]
+    if key is not None:
+        if len(cache) > 64:  # shapes that keep changing: keep the cache small
+            cache.clear()
+        cache[key] = plan
+    return plan
 
 
 # -- per module type: norms and weighted sums from inputs a and output gradients b --
@@ -235,12 +304,18 @@ class _Layer:
 
     def __init__(self, call: _Call, n: int) -> None:
         self.call, self.n = call, n
+        self._formed: dict[str, Tensor] | None = None
+
+    def _once(self) -> dict[str, Tensor]:
+        if self._formed is None:
+            self._formed = self.per_sample()
+        return self._formed
 
     def norms2(self) -> dict[str, Tensor]:
-        return {k: g.flatten(1).square().sum(1) for k, g in self.per_sample().items()}
+        return {k: g.flatten(1).square().sum(1) for k, g in self._once().items()}
 
     def weighted(self, w: Tensor) -> dict[str, Tensor]:
-        return {k: torch.tensordot(w, g, dims=1) for k, g in self.per_sample().items()}
+        return {k: torch.tensordot(w, g, dims=1) for k, g in self._once().items()}
 
     def per_sample(self) -> dict[str, Tensor]:
         raise NotImplementedError
@@ -252,12 +327,18 @@ class _Matmul(_Layer):
     def __init__(self, call: _Call, n: int, a: Tensor, b: Tensor, shape: torch.Size) -> None:
         super().__init__(call, n)
         self.a, self.b, self.shape = a, b, shape  # a [B, T, in], b [B, T, out]
+        self.g: Tensor | None = None  # the per-sample weight gradients, once formed
 
     def _w(self) -> str | None:
         return self.call.names.get("weight")
 
     def _bias(self) -> str | None:
         return self.call.names.get("bias")
+
+    def _per_sample_weight(self) -> Tensor:
+        if self.g is None:
+            self.g = torch.bmm(self.b.transpose(1, 2), self.a)  # [B, out, in]
+        return self.g
 
     def norms2(self) -> dict[str, Tensor]:
         a, b = self.a, self.b
@@ -267,29 +348,60 @@ class _Matmul(_Layer):
             if t == 1:  # rank one: |a|^2 |b|^2
                 out[w] = a.square().sum((1, 2)) * b.square().sum((1, 2))
             elif t * (d_in + d_out) <= d_in * d_out:  # Gram form, B T^2 (in + out)
-                out[w] = ((a @ a.transpose(1, 2)) * (b @ b.transpose(1, 2))).sum((1, 2))
-            else:  # the per-sample matrix, B T in out
-                out[w] = torch.einsum("bto,bti->boi", b, a).square().sum((1, 2))
+                out[w] = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum(
+                    (1, 2)
+                )
+            else:  # the per-sample matrix, B T in out (kept for the weighted sum)
+                out[w] = self._per_sample_weight().square().sum((1, 2))
         if (k := self._bias()) is not None:
             out[k] = b.sum(1).square().sum(1)
         return out
 
     def weighted(self, w: Tensor) -> dict[str, Tensor]:
-        bw = self.b * w[:, None, None]
         out: dict[str, Tensor] = {}
         if (k := self._w()) is not None:
-            out[k] = torch.einsum("bto,bti->oi", bw, self.a).reshape(self.shape)
+            if self.g is not None:  # formed for the norm: B out in, not B T out in
+                g = torch.tensordot(w, self.g, dims=1)
+            else:
+                bw = (self.b * w[:, None, None]).reshape(-1, self.b.shape[2])
+                g = bw.t() @ self.a.reshape(-1, self.a.shape[2])
+            out[k] = g.reshape(self.shape)
         if (k := self._bias()) is not None:
-            out[k] = bw.sum((0, 1))
+            out[k] = torch.tensordot(w, self.b.sum(1), dims=1)
         return out
 
     def per_sample(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         if (k := self._w()) is not None:
-            g = torch.einsum("bto,bti->boi", self.b, self.a)
-            out[k] = g.reshape(self.n, *self.shape)
+            out[k] = self._per_sample_weight().reshape(self.n, *self.shape)
         if (k := self._bias()) is not None:
             out[k] = self.b.sum(1)
+        return out
+
+
+class _GroupedConv(_Layer):
+    """A convolution's per-sample weight gradients as one grouped convolution backward
+    (the samples as groups): on the CPU faster than unfolding where the unfolded rows
+    are long (``Cin * kernel >= 64``), slower where they are short."""
+
+    def __init__(self, call: _Call, n: int, x: Tensor, b: Tensor) -> None:
+        super().__init__(call, n)
+        self.x, self.b = x, b
+
+    def per_sample(self) -> dict[str, Tensor]:
+        m = self.call.module
+        assert isinstance(m, (nn.Conv1d, nn.Conv2d))
+        n, weight = self.n, self.call.state["weight"]
+        x = self.x.reshape(1, n * self.x.shape[1], *self.x.shape[2:])
+        go = self.b.reshape(1, n * self.b.shape[1], *self.b.shape[2:])
+        wg = weight.repeat(n, *([1] * (weight.dim() - 1)))
+        g = torch.ops.aten.convolution_backward(
+            go, x, wg, None, list(m.stride), list(m.padding), list(m.dilation), False,
+            [0] * (weight.dim() - 2), n, [False, True, False],
+        )[1]  # fmt: skip
+        out = {self.call.names["weight"]: g.reshape(n, *weight.shape)}
+        if (k := self.call.names.get("bias")) is not None:
+            out[k] = self.b.flatten(2).sum(2)
         return out
 
 
@@ -349,8 +461,9 @@ class _Vmapped(_Layer):
         pair: Any = (call.args, call.kwargs)
         arg_leaves: list[Any]
         arg_leaves, arg_spec = tree_flatten(pair)
-        batched = [
-            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == self.n for t in arg_leaves
+        batched = [  # a shared call (no batch) runs as it was for every sample
+            not call.shared and isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == self.n
+            for t in arg_leaves
         ]
 
         def one(mp: dict[str, Tensor], cot: list[Tensor], *xs: Any) -> dict[str, Tensor]:
@@ -368,17 +481,13 @@ class _Vmapped(_Layer):
                 return [t for t in outs if isinstance(t, Tensor) and t.is_floating_point()]
 
             back = vjp(f, mp)[1]
-            (g,) = back([c.unsqueeze(0) for c in cot])
+            (g,) = back([c if call.shared else c.unsqueeze(0) for c in cot])
             return g  # type: ignore[no-any-return]
 
         xs = [t for t, isb in zip(arg_leaves, batched, strict=True) if isb]
         in_dims = (None, 0) + (0,) * len(xs)
         g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, *xs)
         return {call.names[o]: v for o, v in g.items()}
-
-
-_RULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
-"""Module types with a rule of their own below (others: :class:`_Vmapped`)."""
 
 
 def _layer(call: _Call, n: int) -> _Layer:
@@ -389,6 +498,8 @@ def _layer(call: _Call, n: int) -> _Layer:
     if x is None or not only or call.n_out != 1:
         return _Vmapped(call, n)
     b = call.grads[0]
+    if call.shared:  # what each sample saw: the same input
+        x = x.expand(n, *x.shape)
     if type(m) is nn.Linear:
         return _Matmul(call, n, x.reshape(n, -1, x.shape[-1]), b.reshape(n, -1, b.shape[-1]),
                        m.weight.shape)  # fmt: skip
@@ -397,6 +508,8 @@ def _layer(call: _Call, n: int) -> _Layer:
         and type(m) in (nn.Conv1d, nn.Conv2d)
         and _unfoldable(m)
     ):
+        if m.in_channels * math.prod(m.kernel_size) >= 64:
+            return _GroupedConv(call, n, x, b)
         two = type(m) is nn.Conv2d
         xx = x if two else x.unsqueeze(2)
 
@@ -443,7 +556,7 @@ def ghost_gradients(
     each sample's gradient clipped to ``max_norm`` (see the module docstring); ``loss``
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
     install()
-    cache: dict[Any, Shapes] = {}
+    cache: dict[Any, Plan] = {}
 
     def fn(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
@@ -457,13 +570,15 @@ def ghost_gradients(
             )
         first = next(iter(params.values()))
         zs = [
-            torch.zeros(s, dtype=dt, device=first.device) for leaves in shapes for s, dt in leaves
+            torch.zeros((n, *s) if shared else s, dtype=dt, device=first.device)
+            for leaves, shared in shapes
+            for s, dt in leaves
         ]
         calls: list[_Call] = []
 
         def tapped(zs: list[Tensor]) -> Any:
             with _Passing("tap", list(params.items()), n) as tap:
-                tap.zs, tap.calls = zs, calls
+                tap.zs, tap.calls, tap.shared = zs, calls, [sh for _, sh in shapes]
                 out = loss_fn(params, *batch)
                 if tap.used != len(zs):
                     raise RuntimeError(

@@ -1,0 +1,127 @@
+"""Per-sample clipping: fg.ghost_clip vs the vmap path vs a step without per-sample work.
+
+Three models, eager steps (make_step, Adam, donated), timed side by side in one process,
+interleaved, median of repeats: the MLP 512-1024x4-10 at batch 256 (the issue's), the
+tiny GPT of examples/char_gpt.py (2 blocks, dim 128, 64 tokens, batch 16, tied head,
+positional embedding) and a small CNN (two convolutions, GroupNorm, batch 64). Peak
+memory of each step: the growth of the peak resident memory over a run of that step
+alone, each in a fresh subprocess (CPU: no allocator statistics; Linux's VmHWM).
+
+Targets (issue "ghost_clip"): ghost <= 0.5x vmap and <= 2x plain on the MLP; <= 2x plain
+on the GPT and the CNN; peak memory <= 1.5x the plain step's.
+
+Run: python benchmarks/bench_ghost.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from bench_step import interleaved
+from torch import nn
+
+import funcgrad as fg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+
+def build(name: str):
+    """(model, loss_fn, batch) for ``name``."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        layers: list[nn.Module] = [nn.Linear(512, 1024), nn.ReLU()]
+        for _ in range(3):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(1024, 10))
+        batch = (torch.randn(256, 512), torch.randint(0, 10, (256,)))
+
+        def loss(p, x, y):
+            return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+        return model, loss, batch
+    if name == "gpt":
+        from char_gpt import CharGPT
+
+        model = CharGPT(vocab=65, block=64, dim=128, layers=2, heads=4, dropout=0.0)
+        idx = torch.randint(0, 65, (16, 65))
+
+        def loss(p, x, y):
+            logits = fg.call(model, p, x)
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+        return model, loss, (idx[:, :-1], idx[:, 1:])
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
+    )  # fmt: skip
+    batch = (torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))
+
+    def loss(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    return model, loss, batch
+
+
+VARIANTS = {"plain": None, "vmap": "clip_by_global_norm", "ghost": "ghost_clip"}
+
+
+def step_of(name: str, variant: str):
+    model, loss, batch = build(name)
+    how = VARIANTS[variant]
+    per_sample = None if how is None else getattr(fg, how)(1.0)
+    tx = fg.adam(lr=1e-3)
+    params = fg.params(model)
+    state = tx.init(params)
+    step = fg.make_step(loss, tx, per_sample=per_sample, donate=True)
+    return lambda: step(params, state, *batch)
+
+
+def peak_mb(name: str, variant: str, steps: int) -> float:
+    """Peak resident memory growth over ``steps`` steps of one variant, in a fresh
+    process (MiB): Linux's VmHWM, reset (``/proc/self/clear_refs``) after the build.
+    (``ru_maxrss`` would not do: a child starts with its parent's high-water mark.)"""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks');"
+        "import bench_ghost as b;"
+        f"f = b.step_of({name!r}, {variant!r});"
+        "kb = lambda k: int(open('/proc/self/status').read().split(k + ':')[1].split()[0]);"
+        "f();"  # the first step's one-time allocations are not the step's
+        "open('/proc/self/clear_refs', 'w').write('5');"
+        "base = kb('VmRSS');"
+        f"[f() for _ in range({steps})];"
+        "print((kb('VmHWM') - base) / 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default="mlp,gpt,cnn")
+    args = ap.parse_args()
+    repeats, number = (3, 2) if args.quick else (7, 3)
+    results = {}
+    for name in args.models.split(","):
+        fns = {v: step_of(name, v) for v in VARIANTS}
+        t = interleaved(fns, repeats=repeats, number=number)
+        mem = {v: peak_mb(name, v, 3) for v in VARIANTS}
+        r = {
+            "ms": {k: round(v * 1e3, 2) for k, v in t.items()},
+            "ghost/vmap": round(t["ghost"] / t["vmap"], 3),
+            "ghost/plain": round(t["ghost"] / t["plain"], 3),
+            "vmap/plain": round(t["vmap"] / t["plain"], 3),
+            "peak MiB": {k: round(v, 1) for k, v in mem.items()},
+        }
+        results[name] = r
+        print(name, json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
