@@ -82,10 +82,11 @@ def step_of(name: str, variant: str):
     return lambda: step(params, state, *batch)
 
 
-def peak_mb(name: str, variant: str, steps: int) -> float:
-    """Peak resident memory growth over ``steps`` steps of one variant, in a fresh
-    process (MiB): Linux's VmHWM, reset (``/proc/self/clear_refs``) after the build.
-    (``ru_maxrss`` would not do: a child starts with its parent's high-water mark.)"""
+def peak_mb(name: str, variant: str, steps: int) -> tuple[float, float]:
+    """``(growth, peak)``: how far the resident memory rose during ``steps`` steps of
+    one variant above where it was after one step, and the process's peak then, in a
+    fresh process (MiB): Linux's VmHWM, reset (``/proc/self/clear_refs``) after the
+    first step. (``ru_maxrss`` would not do: a child starts with its parent's mark.)"""
     code = (
         "import sys; sys.path.insert(0, 'benchmarks');"
         "import bench_ghost as b;"
@@ -95,10 +96,11 @@ def peak_mb(name: str, variant: str, steps: int) -> float:
         "open('/proc/self/clear_refs', 'w').write('5');"
         "base = kb('VmRSS');"
         f"[f() for _ in range({steps})];"
-        "print((kb('VmHWM') - base) / 1024)"
+        "print((kb('VmHWM') - base) / 1024, kb('VmHWM') / 1024)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    growth, peak = out.stdout.strip().splitlines()[-1].split()
+    return float(growth), float(peak)
 
 
 def main() -> None:
@@ -117,7 +119,9 @@ def main() -> None:
             "ghost/vmap": round(t["ghost"] / t["vmap"], 3),
             "ghost/plain": round(t["ghost"] / t["plain"], 3),
             "vmap/plain": round(t["vmap"] / t["plain"], 3),
-            "peak MiB": {k: round(v, 1) for k, v in mem.items()},
+            "MiB over the step's start": {k: round(v[0], 1) for k, v in mem.items()},
+            "process peak MiB": {k: round(v[1], 1) for k, v in mem.items()},
+            "ghost/plain peak": round(mem["ghost"][1] / mem["plain"][1], 3),
         }
         results[name] = r
         print(name, json.dumps(r), flush=True)

@@ -48,8 +48,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument(
-        "--no-ghost", action="store_true", help="clip under vmap instead of fg.ghost_clip"
-    )
+        "--ghost", action=argparse.BooleanOptionalAction, default=True,
+        help="clip with fg.ghost_clip (per-sample norms, one backward); --no-ghost: under vmap",
+    )  # fmt: skip
     ap.add_argument(
         "--compare", action="store_true",
         help="first time 30 eager steps of both paths and print their steps/s",
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def loss_fn(p, x, y):
         return nn.functional.cross_entropy(fg.call(model, p, x), y)
 
-    ghost = not (args.no_ghost or args.zero_fix)
+    ghost = args.ghost and not args.zero_fix
     if args.compare:
         compare(model, loss_fn, Xtr[: args.batch], ytr[: args.batch], args.max_norm)
     per_sample = fg.ghost_clip(args.max_norm) if ghost else fg.clip_by_global_norm(args.max_norm)

@@ -444,3 +444,21 @@ def test_compiled_first_in_a_fresh_process():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_has_aux_returns_the_batch_aux():
+    """With has_aux, the loss's aux comes from the batch's forward (not per sample)."""
+    model = MODELS["mlp"][0]
+
+    def loss(p, x, y):
+        logits = fg.call(model, p, x)
+        return nn.functional.cross_entropy(logits, y), logits.argmax(1)
+
+    tx = fg.sgd(lr=0.1)
+    params = {k: v.clone() for k, v in fg.params(model).views().items()}
+    x = torch.randn(6, 7, dtype=torch.float64)
+    y = torch.randint(0, 4, (6,))
+    want = model(x).argmax(1)
+    step = fg.make_step(loss, tx, has_aux=True, per_sample=fg.ghost_clip(C))
+    *_, aux = step(params, tx.init(params), x, y)
+    assert torch.equal(aux, want)

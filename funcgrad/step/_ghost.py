@@ -524,24 +524,19 @@ def _layer(call: _Call, n: int) -> _Layer:
                        m.weight.shape)  # fmt: skip
     if type(m) is nn.Embedding and not (m.max_norm or m.scale_grad_by_freq or m.sparse):
         return _Embedding(call, n, x, b)
+    # Normalization layers: the normalized input from torch's own kernel (the module's
+    # forward without its affine part), then the affine part's per-sample gradients.
     if type(m) is nn.LayerNorm and m.elementwise_affine:
         k = len(m.normalized_shape)
-        dims = tuple(range(-k, 0))
-        var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
-        xhat = (x - mean) * torch.rsqrt(var + m.eps)
+        xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
         return _Affine(call, n, xhat, b, tuple(range(1, x.dim() - k)))
     if type(m) is nn.RMSNorm and m.elementwise_affine:
         k = len(m.normalized_shape)
-        dims = tuple(range(-k, 0))
-        eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
-        xhat = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+        xhat = F.rms_norm(x, m.normalized_shape, None, m.eps)
         return _Affine(call, n, xhat, b, tuple(range(1, x.dim() - k)))
     if type(m) is nn.GroupNorm and m.affine and x.dim() >= 2:
-        g = x.reshape(n, m.num_groups, -1)
-        var, mean = torch.var_mean(g, dim=2, keepdim=True, correction=0)
-        xhat = ((g - mean) * torch.rsqrt(var + m.eps)).reshape(x.shape)
-        spatial = tuple(range(2, x.dim()))
-        return _Affine(call, n, xhat, b, spatial)
+        xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
+        return _Affine(call, n, xhat, b, tuple(range(2, x.dim())))
     return _Vmapped(call, n)
 
 
@@ -600,12 +595,14 @@ def ghost_gradients(
         gz, kept = grad(tapped, has_aux=True)(zs)
         loss, seen = kept[0], iter(kept[1])
         aux = kept[2] if has_aux else None
+        # The output gradients of the batch's loss: a mean loss's are the samples'
+        # divided by n, folded into the norms (scale^2) and weights (scale) below.
         scale = float(n) if reduction == "mean" else 1.0
         it = iter(gz)
         for c in calls:
             leaves = [next(seen) if isinstance(t, Tensor) else t for t in c.leaves]
             c.args, c.kwargs = tree_unflatten(leaves, c.spec)
-            c.grads = [next(it) * scale for _ in range(c.n_out)]
+            c.grads = [next(it) for _ in range(c.n_out)]
         layers = [_layer(c, n) for c in calls]
         reached: dict[str, int] = {}
         for c in calls:
@@ -636,8 +633,8 @@ def ghost_gradients(
                     norms2 = norms2 + v.to(norms2.dtype)
         for g in shared.values():
             norms2 = norms2 + g.flatten(1).square().sum(1).to(norms2.dtype)
-        coef = torch.clamp(max_norm / (norms2.sqrt() + EPS), max=1.0)
-        w = coef / n
+        coef = torch.clamp(max_norm / ((norms2 * scale**2).sqrt() + EPS), max=1.0)
+        w = coef * (scale / n)
         grads: dict[str, Tensor] = {}
         for layer in alone:
             grads.update(layer.weighted(w.to(layer.call.grads[0].dtype)))
