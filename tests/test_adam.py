@@ -210,5 +210,3 @@ def test_float16_gradient_of_300_moves_the_parameter_like_torch():
     moved = fg.apply_updates(params, updates)["w"]
     assert float(state.nu["w"]) == pytest.approx(90.0, rel=1e-3)  # not inf
     assert torch.equal(moved, leaf.detach())
-
-

@@ -22,7 +22,9 @@ SCHEDULE = fg.cosine_decay(0.05, 10)
 
 ADAM = [
     (f"{'adamw' if dec else 'adam'}-wd{wd}-ams{int(ams)}-max{int(mx)}", dec, wd, ams, mx)
-    for dec, wd, ams, mx in itertools.product([False, True], [0.0, 0.1], [False, True], [False, True])
+    for dec, wd, ams, mx in itertools.product(
+        [False, True], [0.0, 0.1], [False, True], [False, True]
+    )
 ]
 OPTIMIZERS = {
     **{
@@ -83,9 +85,7 @@ def _assert_same_bits(got, want, mode):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_lists_and_borrowed_buffers_equal_the_per_tensor_loop_bit_for_bit(
-    name, dtype, monkeypatch
-):
+def test_lists_and_borrowed_buffers_equal_the_per_tensor_loop_bit_for_bit(name, dtype, monkeypatch):
     """Eagerly an elementwise optimizer runs on lists (torch._foreach_*), or, for
     large tensors inside a donated eager step, tensor by tensor into buffers kept from
     the previous step; traced, tensor by tensor. The same bits: 10 steps, two dtypes,
