@@ -354,4 +354,4 @@ def test_per_sample_page_snippet_runs_and_trains_a_step():
     code = re.findall(r"```python\n(.*?)```", page, re.S)[0]
     scope: dict = {}
     exec(code, scope)
-    assert int(scope["state"][1].count) == 1 and scope["loss"].isfinite()
+    assert int(scope["state"].inner_states[1].count) == 1 and scope["loss"].isfinite()

@@ -8,6 +8,7 @@ tests/test_optimizers.py and tests/test_adam.py)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -190,3 +191,44 @@ def test_in_place_list_operations_write_their_first_argument(op, other):
     assert got is xs
     for a, want in zip(got, plain, strict=True):
         assert torch.equal(a, want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fg.adam(lr=0.01, weight_decay=0.1),
+        lambda: fg.sgd(lr=0.01, momentum=0.9),
+        lambda: fg.rmsprop(lr=0.01, centered=True),
+        lambda: fg.lion(lr=0.001),
+    ],
+)
+def test_a_per_name_state_keeps_its_form_under_flat_params(make):
+    """A state made per name (as fg.state_from_torch makes it) with fg.params' flat
+    gradients: the step computes on the flat buffers and hands the state back per name,
+    so a donated step can write it into the given one; the values equal a flat state's."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+    def loss(p, x):
+        return fg.call(model, p, x).square().mean()
+
+    x = torch.randn(5, 3, dtype=torch.float64)
+    runs = []
+    for per_name in (False, True):
+        params = fg.params(model)
+        saved = {k: v.clone() for k, v in params.views().items()}
+        tx = make()
+        state = tx.init(dict(params.views()) if per_name else params)
+        step = fg.make_step(loss, tx, donate=True)
+        for _ in range(3):
+            step(params, state, x)
+        slots = [v for v in state[1:] if isinstance(v, Mapping) and v]
+        assert slots and all((type(v) is dict) == per_name for v in slots)
+        runs.append(({k: v.clone() for k, v in params.views().items()}, state))
+        with torch.no_grad():  # back to the start for the other run
+            for k, v in params.views().items():
+                v.copy_(saved[k])
+    for k in runs[0][0]:
+        assert torch.equal(runs[0][0][k], runs[1][0][k])

@@ -336,7 +336,7 @@ def build(spec: Spec) -> GradientTransformation:
                 s64,
             )
             updates = flat.from_buffers(out, layout)
-            moved = {f: flat.from_buffers(t, layout) for f, t in new.items()}
+            moved = {f: _as_given(flat.from_buffers(t, layout), slots[f]) for f, t in new.items()}
         else:
             out, new = _run(
                 spec,
@@ -346,14 +346,24 @@ def build(spec: Spec) -> GradientTransformation:
                 decay,
                 s64,
             )
-            keep = layout if spec.elementwise else None  # state stays in its layout
-            updates, moved = out, {f: flat.like(t, keep) for f, t in new.items()}
+            updates = out
+            moved = {  # each slot stays in its layout (flat, or per name)
+                f: flat.like(t, flat.layout_of(slots[f]) if spec.elementwise else None)
+                for f, t in new.items()
+            }
         return updates, spec.state(count, *(moved.get(f, {}) for f in fields), lr=state.lr)
 
     # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
     # pieces do not keep (fg.sharded then splits by rows)
     tx = has_lr(GradientTransformation(init, update), spec.lr)
     return shardable(tx, by_entry=spec.elementwise and not callable(spec.mask))
+
+
+def _as_given(t: flat.Flat, given: Mapping[str, Tensor]) -> Any:
+    """A slot computed on flat buffers, in the form the state gave it: flat, or a dict
+    per name (a state made per name, e.g. by ``fg.state_from_torch``, keeps its form
+    under ``fg.params``' flat gradients, so a donated step can write it back)."""
+    return t if isinstance(given, flat.Flat) else dict(t.views())
 
 
 def _start(spec: Spec, field: str, params: Params) -> Any:

@@ -69,7 +69,7 @@ def ghost_clip(max_norm: float, reduction: str = "mean") -> GradientTransformati
         >>> params = fg.params(model)
         >>> params, state, l = step(params, tx.init(params), torch.randn(8, 3),
         ...                         torch.randint(0, 2, (8,)))
-        >>> int(state[1].count)
+        >>> int(state.inner_states[1].count)
         1
     """
     if reduction not in ("mean", "sum"):
