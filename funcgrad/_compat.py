@@ -102,3 +102,20 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | float | None:
     get_async = getattr(scaler, "_get_scale_async", None)
     scale = get_async() if get_async is not None else None
     return scale if scale is not None else scaler.get_scale()
+
+
+# -- torch.compiler.is_compiling: one flag for the whole process -----------------------
+# torch.compiler.is_compiling() reads a module-level flag that dynamo sets while it
+# traces, and every thread reads it: a thread stepping eagerly while another one
+# builds the compiled step (fg.make_step(compile="async")) would take funcgrad's
+# traced branches (and, e.g., refuse fg.params). is_dynamo_compiling() is False when
+# run and True only where dynamo traces the call, in the tracing thread alone.
+# funcgrad's Python runs under torch.compile only as dynamo traces it, so the two
+# agree there. Checked on 2.13, 2.14. Replacement: none needed while
+# is_dynamo_compiling stays public; if torch makes is_compiling thread-local
+# (pytorch/pytorch#118260), either will do.
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing this call (in this thread): funcgrad's traced branches."""
+    return torch.compiler.is_dynamo_compiling()

@@ -75,3 +75,12 @@ def test_grad_scaler_scale():
     assert float(scale) == scaler.get_scale() == 8.0
     # the private method itself, where torch has it, gives a tensor (no host sync)
     assert isinstance(scaler._get_scale_async(), torch.Tensor)
+
+
+def test_compiling_is_dynamo_tracing_in_this_thread():
+    def f(x):
+        return x + (1.0 if _compat.compiling() else 0.0)
+
+    assert not _compat.compiling()
+    assert float(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(()))) == 1.0
+    assert float(f(torch.zeros(()))) == 0.0

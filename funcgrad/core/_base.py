@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from .._compat import compiling
 from ._compose import composing
 from ._flat import Flat, pack
 from ._tree import names_mismatch
@@ -155,14 +156,14 @@ def ghost(tx: GradientTransformation, how: tuple[float, str] | None = None) -> A
     if how is None:
         facts = _FACTS.get(tx.update)
         return None if facts is None else facts.ghost
-    if not torch.compiler.is_compiling():
+    if not compiling():
         _facts(tx).ghost = how
     return tx
 
 
 def has_lr(tx: GradientTransformation, lr: Any) -> GradientTransformation:
     """Record that ``tx`` is an optimizer built with learning rate ``lr``. Returns ``tx``."""
-    if not torch.compiler.is_compiling():
+    if not compiling():
         _facts(tx).lr = lr
     return tx
 
@@ -170,7 +171,7 @@ def has_lr(tx: GradientTransformation, lr: Any) -> GradientTransformation:
 def wraps(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
     """Record that ``tx`` wraps ``parts`` (for :func:`learning_rates`), without declaring
     it shardable. Returns ``tx``."""
-    if not torch.compiler.is_compiling():
+    if not compiling():
         _facts(tx).parts = parts
     return tx
 
@@ -210,7 +211,7 @@ def shardable(
     a traced, learnable ``lr``) is not registered: dynamo cannot trace the weak
     dictionary, and ``fg.sharded`` is never built there.
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         return tx
     facts = _facts(tx)
     if parts:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat
+from .._compat import compiling
 
 
 def transform_active() -> bool:
@@ -50,7 +51,7 @@ def is_transformed(t: Tensor) -> bool:
 def plain_value(t: Tensor) -> float | None:
     """``t.item()`` for a plain 0-d tensor; ``None`` where reading it is impossible
     or would break a trace (compiled, wrapped by a transform, on the meta device)."""
-    if torch.compiler.is_compiling() or t.is_meta or is_transformed(t):
+    if compiling() or t.is_meta or is_transformed(t):
         return None
     return t.item()
 
@@ -70,7 +71,7 @@ def composing(*inputs: object) -> bool:
     """Whether an update over ``inputs`` (tensors, or dicts of tensors) must take the
     plain per-tensor math: traced, under a ``torch.func`` transform, or recorded by
     autograd (see the module docstring)."""
-    if torch.compiler.is_compiling() or transform_active():
+    if compiling() or transform_active():
         return True
     return torch.is_grad_enabled() and _records(inputs)
 
@@ -80,7 +81,7 @@ def refuse_transforms(who: str, *inputs: object) -> None:
     under a ``torch.func`` transform or with autograd recording through it: the
     collectives have no derivative and no batching rule there, and torch's own errors
     do not say so. (Traced by ``torch.compile``, this check is not reached.)"""
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     if composing(*inputs):
         raise RuntimeError(

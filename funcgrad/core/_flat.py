@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat
+from .._compat import compiling
 from ._scratch import BIG, borrowing
 from ._tree import BUFFERS, NAMESPACE
 
@@ -233,7 +234,7 @@ class Flat(Mapping[str, Tensor]):
         buffer, that ``cat`` is dead code and inductor drops it. ``parts`` must not
         change afterwards (a traced step's gradients do not)."""
         flat = pack(parts, layout)
-        if flat is not parts and torch.compiler.is_compiling():
+        if flat is not parts and compiling():
             flat._parts = parts
         return flat
 
@@ -272,21 +273,21 @@ class Flat(Mapping[str, Tensor]):
         every time); traced, they are made from the buffers inside the graph, never
         read from that cache (cached views would become extra, aliased graph inputs:
         slower guards and runtime wrappers)."""
-        compiling = torch.compiler.is_compiling()
+        traced = compiling()
         # The cache is not read while tracing: dynamo would guard on whether it is
         # filled, and a step's output (not yet viewed) would recompile the step.
-        if not compiling and self._views is not None:
+        if not traced and self._views is not None:
             return dict(self._views)
         out = {
             n: _view(self.buffers[b], o, s)
             for n, (b, o, s) in zip(self.layout.names, self.layout.entries, strict=True)
         }
-        if not compiling:
+        if not traced:
             self._views = out
         return dict(out)
 
     def __getitem__(self, name: str) -> Tensor:
-        if not torch.compiler.is_compiling():
+        if not compiling():
             if self._views is None:
                 self.views()
             return self._views[name]  # type: ignore[index]

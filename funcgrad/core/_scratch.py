@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .._compat import compiling
+
 BIG = 32768
 """Entries from which a tensor is borrowed rather than allocated (128 KiB of float32,
 glibc's default ``mmap`` threshold); smaller ones stay on the multi-tensor path."""
@@ -86,6 +88,6 @@ def lending(scratch: Scratch) -> Iterator[None]:
 def borrowing(like: Tensor) -> Scratch | None:
     """The scratch to borrow from for tensors like ``like``, or None: allocate."""
     s = _ACTIVE.scratch
-    if s is None or like.device.type != "cpu" or torch.compiler.is_compiling():
+    if s is None or like.device.type != "cpu" or compiling():
         return None
     return s

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .._compat import compiling
 from ..core import _flat as flat
 from ..core._base import (
     GradientTransformation,
@@ -428,7 +429,7 @@ def _realized(scalars: Scalars) -> Scalars:
     """Traced, the 0-d scalars computed once into one buffer (``realize``), not again
     for every vector of every update loop, where the C++ compiler cannot hoist them
     (Adagrad's decayed learning rate is a float64 division); the same values."""
-    if not scalars or not torch.compiler.is_compiling():
+    if not scalars or not compiling():
         return scalars
     if any(v.dim() != 0 for v in scalars.values()):
         return scalars

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat
+from .._compat import compiling
 from ..core._base import describe
 
 Group = Mapping[str, Tensor]
@@ -154,7 +155,7 @@ def _bytes(t: Tensor) -> Tensor | None:
     if (
         t.dtype is not torch.bool
         or t.device.type != "cpu"
-        or torch.compiler.is_compiling()
+        or compiling()
         or type(t) is not Tensor
         or t.numel() == 0
         or _compat.is_functorch_wrapped(t)

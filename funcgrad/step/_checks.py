@@ -169,7 +169,7 @@ class Checks:
         return True
 
 
-_SCOPES = ("step", "gradients")
+_SCOPES = ("step", "gradients", "async")
 
 
 def compile_scope(compile: bool | str | Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -189,7 +189,8 @@ def compile_scope(compile: bool | str | Mapping[str, Any]) -> tuple[str | None, 
         raise ValueError(
             f"fg.make_step: compile scope {scope!r} is not one of {_SCOPES}. Use "
             'compile=True (the whole step as one graph), compile="gradients" (only the '
-            "forward and backward as one graph; tx runs eagerly), a dict of "
+            'forward and backward as one graph; tx runs eagerly), compile="async" (eager '
+            "steps while the whole step compiles in the background), a dict of "
             'torch.compile options (with "scope": "gradients" for the latter), or False.'
         )
     warn_shared_cache(os.environ)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
-from .._compat import tree_flatten, tree_unflatten
+from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import LossFn, Params
 from ._errors import PER_SAMPLE_BATCHNORM
 
@@ -257,12 +257,12 @@ def _probe(
     tensors, cached in ``cache`` (one per ghost step) by the inputs' signature; traced,
     forwards whose results are unused."""
     key = None
-    if not torch.compiler.is_compiling():
+    if not compiling():
         key = _signature(params, batch)
         hit = cache.get(key)
         if hit is not None:
             return hit
-    meta = not torch.compiler.is_compiling()
+    meta = not compiling()
     plan: Plan = []
     # A shared call's output gets the batch in the tap pass, and a module it feeds then
     # sees a batched input: a call's side depends on the calls before it. Probe again

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .._compat import compiling
 from ..core._base import Params, check_floating
 from ..core._flat import flatten_module
 from ..core._tree import sigint_held
@@ -52,7 +53,7 @@ def params(model: nn.Module) -> Params:
         >>> sorted(p), p["weight"].data_ptr() == model.weight.data_ptr()
         (['bias', 'weight'], True)
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         raise RuntimeError(
             "fg.params(model) was called inside a torch.compile'd function. It moves the "
             "module's parameters into flat buffers (a one-time change of the module, "
@@ -91,7 +92,7 @@ def _walk(model: nn.Module) -> tuple[set[str], set[str], list[Tensor]]:
     first name), and the buffers (each once; none while traced, where ``id()`` of a
     buffer would guard the graph on the very tensor objects given, and a step that
     returns new buffers would recompile)."""
-    traced = torch.compiler.is_compiling()
+    traced = compiling()
     every: set[str] = set()
     trainable: set[str] = set()
     seen: set[int] = set()
@@ -252,7 +253,7 @@ def call(
     # Plain Python over names: eagerly it runs every call, under torch.compile once,
     # while the step is traced (a failure there is re-run eagerly by make_step).
     bufs = check_names(model, params, "fg.call")
-    if torch.compiler.is_compiling():  # traced: no module attribute is swapped at run time
+    if compiling():  # traced: no module attribute is swapped at run time
         return _call(model, params, args, kwargs, buffers)
     # functional_call swaps the module's attributes for the given tensors while the
     # forward runs, so two threads in the same module at once would each run with

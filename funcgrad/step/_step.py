@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -277,6 +278,85 @@ def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
     return run
 
 
+class _Background:
+    """``compile="async"``: the step runs eagerly (the same math, donation and
+    all-or-nothing guarantees as ``compile=False``) while the compiled step is built
+    in a background thread, on copies of the first call's inputs (the copies' step is
+    thrown away); the first call after it is ready runs compiled. The switch falls
+    between two calls: no step is lost, repeated or half-applied. A build that fails
+    leaves the step eager, with one warning that explains the error."""
+
+    def __init__(self, compiled: Run, eager: Run, core: _Core) -> None:
+        self.compiled, self.eager, self.core = compiled, eager, core
+        self.thread: threading.Thread | None = None
+        self.ready = False
+        self.error: BaseException | None = None
+        self.warned = False
+        self.is_compiled = False
+
+    def _start(self, params: Params, state: State, args: tuple[Any, ...]) -> None:
+        import torch.distributed as dist  # torch imports it anyway
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                'fg.make_step(compile="async") across torch.distributed ranks is not '
+                "supported yet: every rank would have to switch to the compiled step at "
+                "the same step, and the background build runs the step once on copies, "
+                "collectives included. Use compile=True (or compile='gradients')."
+            )
+        copies = tree_map(
+            lambda t: t.detach().clone() if isinstance(t, Tensor) else t, (params, state, args)
+        )
+
+        def build() -> None:
+            try:
+                self.compiled(True, copies[0], copies[1], *copies[2])
+            except BaseException as err:  # reported on the calling thread, once
+                self.error = err
+            else:
+                self.ready = True
+
+        self.thread = threading.Thread(target=build, name="funcgrad-compile", daemon=True)
+        self.thread.start()
+
+    def _warn(self, params: Params, state: State, args: tuple[Any, ...]) -> None:
+        self.warned = True
+        err = self.error
+        assert err is not None
+        if isinstance(err, Exception):
+            better = explain_compile_failure(
+                err, lambda: self.core.pure_step(params, state, *args), 'compile="async"'
+            )
+            err = better if better is not None else err
+        warnings.warn(
+            'fg.make_step(compile="async"): the compiled step could not be built, so the '
+            f"step goes on eagerly (the same results, slower). The error: "
+            f"{type(err).__name__}: {err}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def __call__(self, fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        if self.ready:
+            self.is_compiled = True
+            return self.compiled(fresh, params, state, *args)
+        if self.thread is None:
+            self._start(params, state, args)
+        elif self.error is not None and not self.warned:
+            self._warn(params, state, args)
+        self.is_compiled = False
+        # (torch's own "compiling" flag, one for the process, is set while the other
+        # thread traces: funcgrad asks _compat.compiling(), which is per thread)
+        return self.eager(fresh, params, state, *args)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the background build ends (or ``timeout`` seconds); whether the
+        compiled step is ready."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.ready
+
+
 class _PerThread(threading.local):
     def __init__(self) -> None:
         self.scratch = Scratch()
@@ -362,7 +442,17 @@ def make_step(
             ``torch.compile(model)`` with a ``torch.optim`` optimizer does: the
             first call compiles about as fast as the model alone, and every step
             runs the update as the eager step does (docs/compile-notes.md has the
-            measured trade-off). ``"step"`` is the same as ``True``. With inductor,
+            measured trade-off). ``"async"`` (or ``{"scope": "async", ...}``):
+            the call returns after an eager step, and steps run eagerly (the same
+            math and guarantees) while the whole step compiles in a background
+            thread; the first call after the build is done runs compiled. The
+            step's ``is_compiled`` says which path the last call took;
+            ``step.wait_compiled(timeout)`` blocks until the build ends. A build
+            that fails warns once and the step stays eager. Not across
+            ``torch.distributed`` ranks yet. On a CPU the build shares the
+            interpreter with the eager steps (the GIL) and takes longer than
+            ``compile=True``'s (docs/compile-notes.md, "compile='async'").
+            ``"step"`` is the same as ``True``. With inductor,
             float16/bfloat16 results are rounded where eager rounds them
             (``emulate_precision_casts``, unless the options set it), so the compiled
             update equals the eager one bit for bit (docs/compile-notes.md).
@@ -436,8 +526,9 @@ def make_step(
         )
     scope, options = compile_scope(compile)
     core = _core(loss_fn, tx, has_aux, per_sample, donate, buffers)
+    background: _Background | None = None
     if scope == "step":
-        run = _compiled_step(core, options)
+        run: Run = _compiled_step(core, options)
     elif scope == "gradients":
         run = _gradients_step(core, options)
     else:
@@ -445,9 +536,11 @@ def make_step(
         # give the clear errors): plain autograd, the same values, faster.
         fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
         run = _eager_step(core, core.gradients, fast)
+        if scope == "async":
+            run = background = _Background(_compiled_step(core, options), run, core)
     checks = Checks(loss_fn, tx, per_sample, donate, buffers)
     compiled = scope == "step"
-    pure_buffers = buffers and not donate and scope in ("step", "gradients")
+    pure_buffers = buffers and not donate and scope in ("step", "gradients", "async")
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if isinstance(params, Flat):
@@ -475,11 +568,16 @@ def make_step(
                 *args[1:],
             )
         try:
-            return run(fresh, params, state, *args)
+            out = run(fresh, params, state, *args)
         except Exception as err:
             better: Exception | None = explain_buffer_write(err, per_sample=core.per_sample)
-            if better is None and compiled:
+            if better is None and (compiled or (background is not None and background.ready)):
                 better = explain_compile_failure(err, lambda: core.pure_step(params, state, *args))
             reraise(err, better)
+        step.is_compiled = compiled or (background is not None and background.is_compiled)  # type: ignore[attr-defined]
+        return out
 
+    step.is_compiled = False  # type: ignore[attr-defined]
+    if background is not None:
+        step.wait_compiled = background.wait  # type: ignore[attr-defined]
     return step

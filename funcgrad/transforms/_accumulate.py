@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat
+from .._compat import compiling
 from ..core import _flat as flat
 from ..core._base import (
     GradientTransformation,
@@ -57,7 +58,7 @@ def _branch(pred: Tensor, yes: Callable[..., Any], no: Callable[..., Any], args:
     shape-only tensors, or under a ``torch.func`` transform, where ``vmap`` cannot
     read the flag), both run and ``torch.where`` selects (module docstring).
     """
-    if not (pred.is_meta or torch.compiler.is_compiling() or transform_active()):
+    if not (pred.is_meta or compiling() or transform_active()):
         return yes(*args) if bool(pred) else no(*args)
     return _compat.tree_map(lambda a, b: torch.where(pred, a, b), yes(*args), no(*args))
 

@@ -1,0 +1,151 @@
+"""fg.make_step(compile="async"): eager steps while the compiled step builds in a
+background thread, then the compiled step; against compile=True's run and the eager
+step (funcgrad/step/_step.py, _Background)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+
+import funcgrad as fg
+
+
+def _setup(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).to(dtype)
+
+    def loss(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(12):
+        x = torch.randn(6, 5, generator=g, dtype=dtype)
+        x[:, 0] = 0.0  # exact zeros in a gradient column: the seed rule's second branch
+        data.append((x, torch.randint(0, 3, (6,), generator=g)))
+    data[3][0].zero_()  # dead ReLUs downstream: whole zero groups, the first branch
+    return model, loss, data
+
+
+def _run(dtype, compile, wait_at=None):
+    model, loss, data = _setup(dtype)
+    groups = fg.group_by_module(model)
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=1e-2))
+    params = fg.params(model)
+    state = tx.init(params)
+    step = fg.make_step(loss, tx, compile=compile, donate=True)
+    paths = []
+    for i, (x, y) in enumerate(data):
+        if i == wait_at:
+            assert step.wait_compiled(600)
+        params, state, _ = step(params, state, x, y)
+        paths.append(step.is_compiled)
+    return {k: v.clone() for k, v in params.views().items()}, state, paths
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [(torch.float64, dict(rtol=1e-12, atol=1e-14)), (torch.float32, dict(rtol=1e-5, atol=1e-6))],
+)
+def test_async_steps_eagerly_then_compiled_and_equals_compile_true(dtype, tol):
+    """With inductor: the first steps eager, then (after the build is awaited) the
+    compiled step, without a step lost or repeated: the same parameters and state as
+    compile=True's run, with the seed rule firing both branches."""
+    torch._dynamo.reset()
+    got, got_state, paths = _run(dtype, "async", wait_at=4)
+    assert paths[0] is False and all(paths[4:]) and paths.index(True) <= 4
+    want, want_state, _ = _run(dtype, True)
+    assert int(got_state.inner_states[1].count) == int(want_state.inner_states[1].count) == 12
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **tol)
+    _, _, eager_paths = _run(dtype, False)
+    assert not any(eager_paths)
+
+
+def test_the_switch_compiles_once():
+    """The background build traces with copies of the first call's inputs; the real
+    inputs pass its guards: one frame compiled over the whole run."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    _, _, paths = _run(torch.float64, {"scope": "async", "backend": counter}, wait_at=2)
+    assert all(paths[2:]) and counter.frame_count == 1
+
+
+def test_a_build_that_fails_warns_once_and_trains_eagerly():
+    """A loss that reads a tensor on the host cannot be one graph: the build fails in
+    the background, one RuntimeWarning names it, and every step runs eagerly, equal to
+    compile=False's run."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+
+    def loss(p, x):
+        out = fg.call(model, p, x).square().mean()
+        return out * 2 if float(out) > 0.5 else out  # a host read
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    results = []
+    for compile in (False, {"scope": "async", "backend": "eager"}):
+        tx = fg.sgd(lr=0.1)
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        state = tx.init(params)
+        step = fg.make_step(loss, tx, compile=compile)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params, state, _ = step(params, state, x)
+            if compile is not False:
+                assert not step.wait_compiled(600)
+            for _ in range(3):
+                params, state, _ = step(params, state, x)
+                assert step.is_compiled is False
+        mine = [w for w in caught if 'compile="async"' in str(w.message)]
+        assert len(mine) == (0 if compile is False else 1)
+        if mine:
+            assert "the step goes on eagerly" in str(mine[0].message)
+        results.append(params)
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k])
+
+
+def test_async_across_ranks_is_refused_with_what_to_use(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    model = nn.Linear(2, 1)
+    tx = fg.sgd(lr=0.1)
+    step = fg.make_step(lambda p, x: fg.call(model, p, x).sum(), tx, compile="async")
+    params = fg.params(model)
+    msg = 'fg.make_step(compile="async") across torch.distributed ranks is not supported yet'
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        step(params, tx.init(params), torch.randn(3, 2))
+
+
+def test_funcgrad_runs_eagerly_while_another_thread_traces(monkeypatch):
+    """torch's is_compiling() reads one flag for the process, set while dynamo traces
+    in any thread (here set by hand, as a background build sets it). funcgrad asks
+    dynamo's per-thread question instead: fg.params, fg.call and an eager step work in
+    this thread meanwhile, and equal a run without the flag."""
+    import torch.compiler
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2).double()
+        params = fg.params(model)  # refuses inside a traced function
+        tx = fg.adam(lr=0.1)
+        step = fg.make_step(lambda p, x: fg.call(model, p, x).square().mean(), tx, donate=True)
+        state = tx.init(params)
+        for _ in range(3):
+            step(params, state, torch.ones(4, 3, dtype=torch.float64))
+        return {k: v.clone() for k, v in params.views().items()}
+
+    want = run()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()
+    got = run()
+    for k in want:
+        assert torch.equal(got[k], want[k])
