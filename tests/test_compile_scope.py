@@ -192,5 +192,5 @@ def test_scope_step_is_compile_true():
 @pytest.mark.parametrize("compile", ["grad", {"scope": "update", "backend": "aot_eager"}])
 def test_unknown_compile_scope_is_an_error(compile):
     model = dead_seed_model()
-    with pytest.raises(ValueError, match=re.escape("is not one of ('step', 'gradients')")):
+    with pytest.raises(ValueError, match=re.escape("is not one of ('step', 'gradients', 'async')")):
         fg.make_step(seed_loss(model), seed_tx(model), compile=compile)

@@ -21,7 +21,7 @@ from ._hparams import (
     hyper,
     nonzero,
 )
-from ._kernel import Entry, Spec, build
+from ._kernel import Entry, elementwise
 
 
 class AdagradState(NamedTuple):
@@ -101,16 +101,13 @@ def adagrad(
         acc = o.add(e.slots["sum"], o.mul(g, g))
         return o.mul(o.div(g, o.add(o.sqrt(acc), s["eps"])), s["neg_clr"]), {"sum": acc}
 
-    spec = Spec(
-        who="fg.adagrad",
-        state=AdagradState,
-        slots={"sum": lambda t: torch.full_like(t, start)},
-        scalars=scalars,
-        kernel=kernel,
-        lr=lr,
-        needs_params=has_decay,
-        elementwise=True,
-        has_decay=has_decay,
-        mask=mask,
+    return elementwise(
+        "fg.adagrad",
+        AdagradState,
+        {"sum": lambda t: torch.full_like(t, start)},
+        scalars,
+        kernel,
+        lr,
+        has_decay,
+        mask,
     )
-    return build(spec)

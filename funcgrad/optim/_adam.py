@@ -24,7 +24,7 @@ from ._hparams import (
     hyper,
     nonzero,
 )
-from ._kernel import Entry, Spec, build
+from ._kernel import Entry, elementwise
 
 
 class AdamState(NamedTuple):
@@ -153,20 +153,17 @@ def _adam(
     }
     if amsgrad:
         slots["nu_max"] = torch.zeros_like
-    spec = Spec(
-        who="fg.adamw" if decoupled else "fg.adam",
-        state=AdamState,
-        slots=slots,
-        scalars=scalars,
-        kernel=kernel,
-        lr=lr,
-        needs_params=has_decay,
-        elementwise=True,
-        has_decay=has_decay,
-        mask=mask,
-        multi_tensor=lists,
+    return elementwise(
+        "fg.adamw" if decoupled else "fg.adam",
+        AdamState,
+        slots,
+        scalars,
+        kernel,
+        lr,
+        has_decay,
+        mask,
+        lists,
     )
-    return build(spec)
 
 
 def adam(

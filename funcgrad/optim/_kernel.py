@@ -360,6 +360,26 @@ def build(spec: Spec) -> GradientTransformation:
     return shardable(tx, by_entry=spec.elementwise and not callable(spec.mask))
 
 
+def elementwise(
+    who: str,
+    state: Any,
+    slots: Mapping[str, Callable[[Tensor], Tensor | None]],
+    scalars: Callable[[Tensor, Tensor], dict[str, Tensor]],
+    kernel: Kernel,
+    lr: LearningRate,
+    has_decay: bool,
+    mask: DecayMask,
+    multi_tensor: bool = True,
+) -> GradientTransformation:
+    """The transformation of an elementwise optimizer (SGD, RMSprop, Adagrad, Lion,
+    Adam): a :class:`Spec` whose kernel reads the parameters only for weight decay."""
+    spec = Spec(
+        who, state, slots, scalars, kernel, lr, needs_params=has_decay, elementwise=True,
+        has_decay=has_decay, mask=mask, multi_tensor=multi_tensor,
+    )  # fmt: skip
+    return build(spec)
+
+
 def _as_given(t: flat.Flat, given: Mapping[str, Tensor]) -> Any:
     """A slot computed on flat buffers, in the form the state gave it: flat, or a dict
     per name (a state made per name, e.g. by ``fg.state_from_torch``, keeps its form

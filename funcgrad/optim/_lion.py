@@ -23,7 +23,7 @@ from ._hparams import (
     hyper,
     nonzero,
 )
-from ._kernel import Entry, Spec, build
+from ._kernel import Entry, elementwise
 
 
 class LionState(NamedTuple):
@@ -91,16 +91,6 @@ def lion(
             u = o.add(u, o.mul(s["wd"], p))
         return o.mul(u, s["neg_lr"]), {"mu": o.add(o.mul(s["c2"], g), o.mul(s["b2"], mu))}
 
-    spec = Spec(
-        who="fg.lion",
-        state=LionState,
-        slots={"mu": torch.zeros_like},
-        scalars=scalars,
-        kernel=kernel,
-        lr=lr,
-        needs_params=has_decay,
-        elementwise=True,
-        has_decay=has_decay,
-        mask=mask,
+    return elementwise(
+        "fg.lion", LionState, {"mu": torch.zeros_like}, scalars, kernel, lr, has_decay, mask
     )
-    return build(spec)

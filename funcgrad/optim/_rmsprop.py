@@ -21,7 +21,7 @@ from ._hparams import (
     hyper,
     nonzero,
 )
-from ._kernel import Entry, Spec, build
+from ._kernel import Entry, elementwise
 
 
 class RMSpropState(NamedTuple):
@@ -124,16 +124,4 @@ def rmsprop(
         slots["momentum_buffer"] = torch.zeros_like
     if centered:
         slots["grad_avg"] = torch.zeros_like
-    spec = Spec(
-        who="fg.rmsprop",
-        state=RMSpropState,
-        slots=slots,
-        scalars=scalars,
-        kernel=kernel,
-        lr=lr,
-        needs_params=has_decay,
-        elementwise=True,
-        has_decay=has_decay,
-        mask=mask,
-    )
-    return build(spec)
+    return elementwise("fg.rmsprop", RMSpropState, slots, scalars, kernel, lr, has_decay, mask)

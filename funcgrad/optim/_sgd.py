@@ -22,7 +22,7 @@ from ._hparams import (
     hyper,
     nonzero,
 )
-from ._kernel import Entry, Spec, build
+from ._kernel import Entry, elementwise
 
 
 class SGDState(NamedTuple):
@@ -111,16 +111,13 @@ def sgd(
         g = o.add(g, o.mul(s["momentum"], buf)) if nesterov else buf
         return o.mul(g, s["neg_lr"]), {"momentum_buffer": buf}
 
-    spec = Spec(
-        who="fg.sgd",
-        state=SGDState,
-        slots={"momentum_buffer": torch.zeros_like} if has_momentum else {},
-        scalars=scalars,
-        kernel=kernel,
-        lr=lr,
-        needs_params=has_decay,
-        elementwise=True,
-        has_decay=has_decay,
-        mask=mask,
+    return elementwise(
+        "fg.sgd",
+        SGDState,
+        {"momentum_buffer": torch.zeros_like} if has_momentum else {},
+        scalars,
+        kernel,
+        lr,
+        has_decay,
+        mask,
     )
-    return build(spec)
