@@ -101,6 +101,32 @@ def compare(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, max_nor
         f"eager steps/s at batch {x.shape[0]}: ghost {rates['ghost']:.0f}, vmap "
         f"{rates['vmap']:.0f} ({rates['ghost'] / rates['vmap']:.2f}x)"
     )
+    rise = {name: peak_rise_mib(lambda s=s: s[0](s[1], s[2], x, y)) for name, s in steps.items()}
+    if all(v is not None for v in rise.values()):
+        print(
+            f"peak memory rise over 5 steps: ghost {rise['ghost']:.1f} MiB, vmap "
+            f"{rise['vmap']:.1f} MiB (Linux VmHWM; the process's other memory not counted)"
+        )
+
+
+def peak_rise_mib(run) -> float | None:
+    """How far the process's peak resident memory rises over 5 calls of ``run`` (MiB),
+    from Linux's /proc (reset with clear_refs); None elsewhere."""
+    status = "/proc/self/status"
+
+    def kib(key: str) -> int:
+        with open(status) as f:
+            return int(f.read().split(key + ":")[1].split()[0])
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = kib("VmRSS")
+    except OSError:
+        return None
+    for _ in range(5):
+        run()
+    return max(0.0, (kib("VmHWM") - base) / 1024)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
