@@ -150,6 +150,13 @@ def _facts(tx: GradientTransformation) -> _Facts:
     return facts
 
 
+def clip_factor(max_norm: float | Tensor, norm: Tensor) -> Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``: what a gradient of 2-norm ``norm`` is
+    scaled by to clip it to ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s formula;
+    ``fg.rules.clip_norm`` and ``fg.ghost_clip`` both use it, so they agree)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def ghost(tx: GradientTransformation, how: tuple[float, str] | None = None) -> Any:
     """With ``how``: record that ``tx`` is ``fg.ghost_clip(*how)`` and return ``tx``;
     without: what was recorded (``(max_norm, reduction)``), or None."""

@@ -509,7 +509,9 @@ def _run(
         dt = compute_dtype(sdt)
         # Lists stand in for the tensors: Lists takes the kernel's operations over them.
         g_list: Any = [_to(grads[k], dt) for k in keys]
-        p_list: Any = [params[k].to(dt) for k in keys] if cast_params and params else None
+        p_list: Any = None
+        if cast_params and params is not None:
+            p_list = [params[k].to(dt) for k in keys]
         slot_lists: Any = {f: [_to(t[k], dt) for k in keys] for f, t in slots.items()}
         entry = Entry("", g_list, p_list, slot_lists, scalars(dt), decays, sdt, LISTS)
         u, out = spec.kernel(entry)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from ..core._base import clip_factor
 from . import _rule_base as _rb
 from ._rule_base import Condition, Rule
 
@@ -267,7 +268,7 @@ def clip_norm(max_norm: float) -> Rule:
         raise ValueError(f"fg.rules.clip_norm: max_norm must be > 0, got {m}.")
 
     def rule(g: Group) -> dict[str, Tensor]:
-        coef = torch.clamp(m / (_rb.group_norm(g) + 1e-6), max=1.0)
+        coef = clip_factor(m, _rb.group_norm(g))
         return {k: t * coef.to(t.dtype) for k, t in g.items()}
 
     return Rule(rule, f"clip_norm({m})", **_BUILTIN)

@@ -17,7 +17,8 @@ norm ``C`` and averages, as ``per_sample=fg.clip_by_global_norm(C)`` does under
    costs less; convolutions through ``unfold``; embeddings over equal indices;
    normalization layers from their normalized input; any other module through a
    ``vmap`` over its own parameters only);
-4. the clip factors ``c_i = min(1, C / (norm_i + 1e-6))`` (``fg.rules.clip_norm``'s), and
+4. the clip factors ``c_i = min(1, C / (norm_i + 1e-6))`` (``core._base.clip_factor``,
+   ``fg.rules.clip_norm``'s), and
    the gradients ``sum_i c_i g_i / B`` from the same ``a`` and ``b`` (book-keeping: no
    second backward).
 
@@ -42,12 +43,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
 from .._compat import compiling, tree_flatten, tree_unflatten
-from ..core._base import LossFn, Params
+from ..core._base import LossFn, Params, clip_factor
 from ._errors import PER_SAMPLE_BATCHNORM
-
-EPS = 1e-6
-"""``fg.rules.clip_norm``'s: ``c = min(1, max_norm / (norm + EPS))``."""
-
 
 Shapes = list[list[tuple[tuple[int, ...], torch.dtype]]]
 """The tapped modules' floating output shapes and dtypes, one list per call, in order."""
@@ -633,7 +630,7 @@ def ghost_gradients(
                     norms2 = norms2 + v.to(norms2.dtype)
         for g in shared.values():
             norms2 = norms2 + g.flatten(1).square().sum(1).to(norms2.dtype)
-        coef = torch.clamp(max_norm / ((norms2 * scale**2).sqrt() + EPS), max=1.0)
+        coef = clip_factor(max_norm, (norms2 * scale**2).sqrt())
         w = coef * (scale / n)
         grads: dict[str, Tensor] = {}
         for layer in alone:
