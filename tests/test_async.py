@@ -149,3 +149,78 @@ def test_funcgrad_runs_eagerly_while_another_thread_traces(monkeypatch):
     got = run()
     for k in want:
         assert torch.equal(got[k], want[k])
+
+
+def _option_case(case):
+    """(model, loss, tx, make_step kwargs, batches) for one make_step option, float64,
+    the seed rule firing both branches (a zero input column; one all-zero batch)."""
+    torch.manual_seed(0)
+    bn = case == "buffers"
+    # No bias before BatchNorm: its gradient is zero only up to rounding, where the
+    # rule's exact-zero test flips between kernels (docs/exact-zeros.md).
+    layers = [nn.Linear(5, 8, bias=not bn)] + ([nn.BatchNorm1d(8)] if bn else [])
+    layers += [nn.ReLU(), nn.Linear(8, 3)]
+    model = nn.Sequential(*layers).double()
+    groups = fg.group_by_module(model)
+    rule = fg.per_group(fg.rules.zero_fix(), groups)
+    lr = fg.cosine_decay(0.05, decay_steps=8) if case == "schedule" else 0.05
+    tx = fg.chain(rule, fg.adam(lr=lr))
+    kwargs = {}
+    if case == "buffers":
+        kwargs["buffers"] = True
+
+        def loss(p, b, x, y):
+            return nn.functional.cross_entropy(fg.call(model, p, x, buffers=b), y)
+    else:
+
+        def loss(p, x, y):
+            return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+    if case == "per_sample":
+        kwargs["per_sample"] = fg.per_group(fg.rules.clip_norm(0.5), groups)
+    if case == "accumulate":
+        tx = fg.accumulate(tx, every=3)
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(10):
+        x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+        x[:, 0] = 0.0
+        if i == 3:
+            x.zero_()
+        batches.append((x, torch.randint(0, 3, (6,), generator=g)))
+    return model, loss, tx, kwargs, batches
+
+
+def _run_option(case, compile, wait_at=None):
+    model, loss, tx, kwargs, batches = _option_case(case)
+    params = fg.params(model)
+    state = tx.init(params)
+    bufs = (fg.buffers(model),) if case == "buffers" else ()
+    step = fg.make_step(loss, tx, compile=compile, donate=True, **kwargs)
+    paths = []
+    for i, batch in enumerate(batches):
+        if i == wait_at:
+            assert step.wait_compiled(600)
+        out = step(params, state, *bufs, *batch)
+        params, state = out[0], out[1]
+        bufs = (out[2],) if bufs else ()
+        paths.append(step.is_compiled)
+    got = {k: v.clone() for k, v in params.views().items()}
+    got.update({f"buffer:{k}": v.clone() for b in bufs for k, v in b.items()})
+    return got, paths
+
+
+@pytest.mark.parametrize("case", ["buffers", "per_sample", "accumulate", "schedule"])
+def test_async_with_each_step_option_equals_the_eager_run(case):
+    """buffers=True (train-mode BatchNorm), per_sample=, fg.accumulate and a schedule:
+    eager steps, the switch (after the build is awaited at step 4), then compiled
+    (inductor) steps give the parameters (and running statistics) of an all-eager run
+    in float64: no step lost, repeated or half-applied at the switch, and the
+    background build's own step on copies left nothing behind (accumulate's counter,
+    the schedule's count, BatchNorm's num_batches_tracked)."""
+    want, _ = _run_option(case, False)
+    got, paths = _run_option(case, "async", wait_at=4)
+    assert paths[0] is False and all(paths[4:])
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-13, msg=k)
