@@ -119,3 +119,53 @@ def grad_scaler_scale(scaler: Any) -> torch.Tensor | float | None:
 def compiling() -> bool:
     """Whether dynamo is tracing this call (in this thread): funcgrad's traced branches."""
     return torch.compiler.is_dynamo_compiling()
+
+
+# -- torch.compile(...).aot_compile: compiling a step without running it ---------------
+# fg.make_step(compile="async") across torch.distributed ranks builds the compiled step
+# in a background thread; running it there (as the single-process build does, on
+# copies) would send its collectives beside the eager thread's, and another rank would
+# pair them wrongly. aot_compile traces and compiles without running. Experimental in
+# torch (documented "subject to change"). What funcgrad needs around it, each checked
+# on 2.13 and 2.14:
+# - torch._dynamo.exc.TensorifyScalarRestartAnalysis: where torch.compile restarts its
+#   analysis after specializing a float, aot_compile raises; the specialization is
+#   remembered (TensorifyState, process-wide), so calling again succeeds.
+# - its guards are built for saving, and ID/closure/dict-version guards cannot be
+#   saved: a guard_filter_fn keeps the guards on the arguments (shapes, dtypes,
+#   strides, structure) and drops those on the step's own closure (the same objects
+#   for the life of the process: nothing to guard), as
+#   CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES lists them.
+# Replacement: torch.compile with a public "compile now, run later" entry point.
+def compile_without_running(
+    fn: Any, options: dict[str, Any], args: tuple[Any, ...], tries: int = 4
+) -> Any:
+    """``torch.compile(fn, fullgraph=True, **options)`` compiled for ``fn(*args)``
+    without running it. Returns a callable with ``guard_check(*args)`` (whether these
+    arguments fit the compiled graph) that runs the compiled graph."""
+    import inspect
+
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    arguments = set(inspect.signature(fn).parameters)
+
+    def on_arguments(entries: Any) -> list[bool]:
+        return [
+            e.name.split("[", 1)[0].split(".", 1)[0] in arguments
+            and not e.is_global
+            and e.guard_type not in unsaved
+            and not unsaved.intersection(e.derived_guard_types)
+            for e in entries
+        ]
+
+    for attempt in range(tries):
+        inner = {**(options.get("options") or {}), "guard_filter_fn": on_arguments}
+        compiled = torch.compile(fn, **{**options, "options": inner, "fullgraph": True})
+        try:
+            return compiled.aot_compile((args, {}))  # type: ignore[attr-defined]
+        except TensorifyScalarRestartAnalysis:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")

@@ -4,7 +4,6 @@ step (funcgrad/step/_step.py, _Background)."""
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytest
@@ -109,20 +108,6 @@ def test_a_build_that_fails_warns_once_and_trains_eagerly():
         results.append(params)
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k])
-
-
-def test_async_across_ranks_is_refused_with_what_to_use(monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
-    model = nn.Linear(2, 1)
-    tx = fg.sgd(lr=0.1)
-    step = fg.make_step(lambda p, x: fg.call(model, p, x).sum(), tx, compile="async")
-    params = fg.params(model)
-    msg = 'fg.make_step(compile="async") across torch.distributed ranks is not supported yet'
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        step(params, tx.init(params), torch.randn(3, 2))
 
 
 def test_funcgrad_runs_eagerly_while_another_thread_traces(monkeypatch):

@@ -84,3 +84,49 @@ def test_compiling_is_dynamo_tracing_in_this_thread():
     assert not _compat.compiling()
     assert float(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(()))) == 1.0
     assert float(f(torch.zeros(()))) == 0.0
+
+
+def test_compile_without_running_compiles_and_runs_later():
+    """torch.compile(...).aot_compile: nothing runs at build time (the input is not
+    written), the result runs the graph, guard_check tells inputs that do not fit."""
+
+    def fn(x: torch.Tensor, scale: float) -> torch.Tensor:
+        x.add_(1.0)
+        return (x * scale).sum()
+
+    x = torch.zeros(3)
+    built = _compat.compile_without_running(fn, {"backend": "aot_eager"}, (x, 2.0))
+    assert torch.equal(x, torch.zeros(3))  # not run
+    assert built.guard_check(x, 2.0) and not built.guard_check(torch.zeros(4, 2), 2.0)
+    assert built(x, 2.0).item() == 6.0 and torch.equal(x, torch.ones(3))
+
+
+def test_compile_without_running_a_step_that_restarts_torchs_analysis():
+    """A donated fg.sgd step: aot_compile alone raises TensorifyScalarRestartAnalysis
+    on it (torch 2.13, a fresh process); compile_without_running calls again and
+    builds it, equal to the eager step."""
+    import funcgrad as fg
+    from funcgrad.step._step import _core, _traced_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    core = _core(
+        lambda p, x: fg.call(model, p, x).square().sum(), fg.sgd(lr=0.1), False, None, True, False
+    )
+    x = torch.randn(4, 3, dtype=torch.float64)
+    want = {
+        k: v.detach() - 0.1 * g
+        for (k, v), g in zip(
+            model.named_parameters(),
+            torch.autograd.grad(model(x).square().sum(), list(model.parameters())),
+            strict=True,
+        )
+    }
+    params = fg.params(model)
+    state = fg.sgd(lr=0.1).init(params)
+    built = _compat.compile_without_running(
+        _traced_step(core), {"backend": "aot_eager"}, (params, state, x)
+    )
+    built(params, state, x)
+    for k, v in want.items():
+        torch.testing.assert_close(params[k], v, rtol=1e-12, atol=1e-14)

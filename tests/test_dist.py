@@ -30,8 +30,10 @@ def test_setup_has_a_layer_all_zero_on_one_rank_only():
     assert (g_full["0.weight"] != 0).any()
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "async"])
 def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
+    """async: compile="async" with inductor, each rank's build done at another step
+    (2 and 6); both switch at the same step, and the result is the one process's."""
     run_ranks(mode, tmp_path)
     _, x, y = model_and_data()
     want = single_process(x, y)
@@ -43,7 +45,35 @@ def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
         for k in want:
             torch.testing.assert_close(got["params"][k], want[k], rtol=1e-12, atol=1e-12)
         if mode == "compiled":
-            assert got["stats"] == {"graphs": 1, "breaks": 0}
+            assert {k: got["stats"][k] for k in ("graphs", "breaks")} == {"graphs": 1, "breaks": 0}
+        paths = got["stats"]["paths"]
+        if mode == "async":
+            switch = paths.index(True)
+            assert switch >= 6 and all(paths[switch:]) and not any(paths[:switch])
+        else:
+            assert paths == [mode == "compiled"] * len(paths)
+    stats = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["stats"] for r in (0, 1)]
+    if mode == "async":  # the same step on both ranks
+        assert stats[0]["paths"] == stats[1]["paths"]
+    assert stats[0]["warnings"] == stats[1]["warnings"] == []
+
+
+def test_async_build_failing_on_one_rank_keeps_every_rank_eager(tmp_path):
+    """compile="async" where rank 1's build raises: both ranks learn it at the same
+    step, warn once (rank 1 with its error, rank 0 pointing to the other rank) and
+    train eagerly to the one process's result."""
+    run_ranks("async_one_fails", tmp_path)
+    _, x, y = model_and_data()
+    want = single_process(x, y)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for k in want:
+            torch.testing.assert_close(got["params"][k], want[k], rtol=1e-12, atol=1e-12)
+        assert not any(got["stats"]["paths"])
+        (message,) = got["stats"]["warnings"]
+        assert "the step goes on eagerly" in message
+        expected = ("failed on another rank", "rank 1's build failed on purpose")[rank]
+        assert expected in message
 
 
 def test_a_failing_rank_does_not_hang(tmp_path):

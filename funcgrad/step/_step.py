@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
+from .. import _compat
 from ..core._base import (
     GradientTransformation,
     LossFn,
@@ -254,10 +255,12 @@ Run = Callable[..., tuple[Any, ...]]
 the inputs' structure is new, see :class:`funcgrad.step._checks.Checks`)."""
 
 
-def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
-    """``compile=True``: the whole step as one graph. Donated, the graph writes into
-    the given tensors itself (inductor fuses the writes into the update kernels: no
-    second pass, no new buffers), with Ctrl-C held back while it runs."""
+def _traced_step(core: _Core) -> Callable[..., tuple[Any, ...]]:
+    """What ``compile=True`` hands to ``torch.compile``: the pure step, or donated, the
+    step whose graph writes into the given tensors itself (inductor fuses the writes
+    into the update kernels: no second pass, no new buffers)."""
+    if not core.donate:
+        return core.pure_step
 
     def donated_step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         new, grads, rest = core.compute(core.gradients, params, state, *args)
@@ -265,96 +268,161 @@ def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
         copy_into(given, _after_gradients(grads, given, new))
         return given + rest
 
-    impl = torch.compile(
-        donated_step if core.donate else core.pure_step, **{**options, "fullgraph": True}
-    )
+    return donated_step
+
+
+def _held(core: _Core, impl: Callable[..., tuple[Any, ...]]) -> Run:
+    """``impl`` as a :data:`Run`; donated, with Ctrl-C held back while it runs (it
+    cannot land between two of the graph's kernels)."""
 
     def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if not core.donate:
             return impl(params, state, *args)
-        with sigint_held():  # Ctrl-C cannot land between two of its kernels
+        with sigint_held():
             return impl(params, state, *args)
 
     return run
 
 
+def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
+    """``compile=True``: the whole step as one graph."""
+    return _held(core, torch.compile(_traced_step(core), **{**options, "fullgraph": True}))
+
+
+def _world_size() -> int:
+    import torch.distributed as dist  # torch imports it anyway
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+BUILDING, READY, FAILED = 0, 1, -1
+"""A rank's build, as :meth:`_Background._agreed` sends it (the minimum over ranks)."""
+
+
 class _Background:
     """``compile="async"``: the step runs eagerly (the same math, donation and
     all-or-nothing guarantees as ``compile=False``) while the compiled step is built
-    in a background thread, on copies of the first call's inputs (the copies' step is
-    thrown away); the first call after it is ready runs compiled. The switch falls
-    between two calls: no step is lost, repeated or half-applied. A build that fails
-    leaves the step eager, with one warning that explains the error."""
+    in a background thread; the first call after it is ready runs compiled. The
+    switch falls between two calls: no step is lost, repeated or half-applied. A
+    build that fails leaves the step eager, with one warning that explains the error.
 
-    def __init__(self, compiled: Run, eager: Run, core: _Core) -> None:
-        self.compiled, self.eager, self.core = compiled, eager, core
+    In one process the build calls the compiled step once on copies of the first
+    call's inputs (any ``torch.compile`` backend; the copies' step is thrown away).
+    Across ``torch.distributed`` ranks that would send the copies' collectives beside
+    the eager steps', so the build compiles without running
+    (:func:`funcgrad._compat.compile_without_running`, inductor and AOT-autograd
+    backends), and the ranks agree on every eager step, by one all-reduce of a flag,
+    when all of them are ready: every rank switches at the same step, and a
+    collective never pairs an eager rank with a compiled one. A build that fails on
+    any rank keeps every rank eager."""
+
+    def __init__(self, compiled: Run, eager: Run, core: _Core, options: dict[str, Any]) -> None:
+        self.compiled, self.eager, self.core, self.options = compiled, eager, core, options
         self.thread: threading.Thread | None = None
-        self.ready = False
+        self.built = False  # this rank's build is done
+        self.ready = False  # the step runs compiled from now on (every rank's build is done)
         self.error: BaseException | None = None
-        self.warned = False
+        self.gave_up = False  # a build failed (on any rank): eager from now on
+        self.ranks = 1
         self.is_compiled = False
 
     def _start(self, params: Params, state: State, args: tuple[Any, ...]) -> None:
-        import torch.distributed as dist  # torch imports it anyway
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(
-                'fg.make_step(compile="async") across torch.distributed ranks is not '
-                "supported yet: every rank would have to switch to the compiled step at "
-                "the same step, and the background build runs the step once on copies, "
-                "collectives included. Use compile=True (or compile='gradients')."
-            )
+        self.ranks = _world_size()
         copies = tree_map(
             lambda t: t.detach().clone() if isinstance(t, Tensor) else t, (params, state, args)
         )
 
         def build() -> None:
             try:
-                self.compiled(True, copies[0], copies[1], *copies[2])
+                if self.ranks > 1:
+                    self.compiled = self._without_running(copies)
+                else:
+                    self.compiled(True, copies[0], copies[1], *copies[2])
             except BaseException as err:  # reported on the calling thread, once
                 self.error = err
             else:
-                self.ready = True
+                self.built = True
 
         self.thread = threading.Thread(target=build, name="funcgrad-compile", daemon=True)
         self.thread.start()
 
+    def _without_running(self, copies: tuple[Any, Any, tuple[Any, ...]]) -> Run:
+        """The compiled step, built without running it; arguments that do not fit it
+        (another batch shape) go to the usual compiled step, which compiles for them
+        as ``compile=True`` does (on every rank alike, when the shapes change alike)."""
+        built = _compat.compile_without_running(
+            _traced_step(self.core), dict(self.options), (copies[0], copies[1], *copies[2])
+        )
+        run_built, usual = _held(self.core, built), self.compiled
+
+        def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+            if built.guard_check(params, state, *args):
+                return run_built(fresh, params, state, *args)
+            return usual(fresh, params, state, *args)
+
+        return run
+
+    def _state(self) -> int:
+        return FAILED if self.error is not None else READY if self.built else BUILDING
+
+    def _agreed(self, device: torch.device) -> int:
+        """Across ranks: every rank's build state, all-reduced (the minimum): ready
+        everywhere, failed somewhere, or still building. Every rank acts on the same
+        answer, at the same call."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([self._state()], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return int(flag.item())
+
     def _warn(self, params: Params, state: State, args: tuple[Any, ...]) -> None:
-        self.warned = True
         err = self.error
-        assert err is not None
-        if isinstance(err, Exception):
-            better = explain_compile_failure(
-                err, lambda: self.core.pure_step(params, state, *args), 'compile="async"'
-            )
-            err = better if better is not None else err
+        if err is None:
+            reason = "it failed on another rank (that rank's warning names the error)"
+        else:
+            if isinstance(err, Exception):
+                # The explanation re-runs the step eagerly to find the user's own error;
+                # not across ranks, where that step's collectives would pair with the
+                # other ranks' next step.
+                rerun = lambda: self.core.pure_step(params, state, *args)  # noqa: E731
+                skip = lambda: None  # noqa: E731
+                better = explain_compile_failure(
+                    err, rerun if self.ranks == 1 else skip, 'compile="async"'
+                )
+                err = better if better is not None else err
+            reason = f"the error: {type(err).__name__}: {err}"
         warnings.warn(
             'fg.make_step(compile="async"): the compiled step could not be built, so the '
-            f"step goes on eagerly (the same results, slower). The error: "
-            f"{type(err).__name__}: {err}",
+            f"step goes on eagerly (the same results, slower); {reason}",
             RuntimeWarning,
             stacklevel=4,
         )
 
     def __call__(self, fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
-        if self.ready:
-            self.is_compiled = True
-            return self.compiled(fresh, params, state, *args)
         if self.thread is None:
             self._start(params, state, args)
-        elif self.error is not None and not self.warned:
-            self._warn(params, state, args)
-        self.is_compiled = False
+        if not (self.ready or self.gave_up):
+            if self.ranks > 1:
+                now = self._agreed(next(iter(leaves(params))).device)
+            else:
+                now = self._state()
+            self.ready, self.gave_up = now == READY, now == FAILED
+            if self.gave_up:
+                self._warn(params, state, args)
+        self.is_compiled = self.ready
+        if self.ready:
+            return self.compiled(fresh, params, state, *args)
         # (torch's own "compiling" flag, one for the process, is set while the other
         # thread traces: funcgrad asks _compat.compiling(), which is per thread)
         return self.eager(fresh, params, state, *args)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the background build ends (or ``timeout`` seconds); whether the
-        compiled step is ready."""
+        """Block until this process's background build ends (or ``timeout`` seconds);
+        whether it built the compiled step. Across ranks the step switches once every
+        rank's build is done (the next call after that)."""
         if self.thread is not None:
             self.thread.join(timeout)
-        return self.ready
+        return self.built
 
 
 class _PerThread(threading.local):
@@ -537,7 +605,7 @@ def make_step(
         fast = _autograd_gradients(loss_fn, has_aux, buffers) if per_sample is None else None
         run = _eager_step(core, core.gradients, fast)
         if scope == "async":
-            run = background = _Background(_compiled_step(core, options), run, core)
+            run = background = _Background(_compiled_step(core, options), run, core, options)
     checks = Checks(loss_fn, tx, per_sample, donate, buffers)
     compiled = scope == "step"
     pure_buffers = buffers and not donate and scope in ("step", "gradients", "async")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import socket
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def model_and_data():
     return m, x, y
 
 
-def make(model, distributed: bool, compiled: bool):
+def make(model, distributed: bool, compiled: bool | str):
     groups = fg.group_by_module(model)
     head = [fg.all_reduce_mean()] if distributed else []
     tx = fg.chain(*head, fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.05))
@@ -50,17 +51,23 @@ def make(model, distributed: bool, compiled: bool):
     def loss(p, x, y):
         return ((fg.call(model, p, x) - y) ** 2).mean()
 
-    step = fg.make_step(
-        loss, tx, compile={"backend": "aot_eager"} if compiled else False, donate=True
-    )
+    if compiled == "async":  # with inductor
+        compile: bool | str | dict = "async"
+    else:
+        compile = {"backend": "aot_eager"} if compiled else False
+    step = fg.make_step(loss, tx, compile=compile, donate=True)
     return tx, step
 
 
-def train(model, tx, step, x, y) -> dict[str, torch.Tensor]:
+def train(model, tx, step, x, y, wait_at=None, paths=None) -> dict[str, torch.Tensor]:
     params = fg.params(model)
     state = tx.init(params)
-    for _ in range(STEPS):
+    for i in range(STEPS):
+        if i == wait_at:  # this rank's build is done before this step
+            step.wait_compiled(600)
         step(params, state, x, y)
+        if paths is not None:
+            paths.append(step.is_compiled)
     return {k: v.clone() for k, v in params.items()}
 
 
@@ -78,11 +85,34 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         model, x, y = model_and_data()
         shard = slice(rank * 4, rank * 4 + 4)
         counters.clear()
-        tx, step = make(model, distributed=True, compiled=(mode == "compiled"))
-        params = train(model, tx, step, x[shard], y[shard])
+        compiled = "async" if mode.startswith("async") else mode == "compiled"
+        if mode.startswith("async") and rank == 1:
+            import funcgrad._compat as compat
+
+            build = compat.compile_without_running
+
+            def late(*a, **k):  # rank 1's build ends late, for sure, or fails
+                time.sleep(5)
+                if mode == "async_one_fails":
+                    raise RuntimeError("rank 1's build failed on purpose")
+                return build(*a, **k)
+
+            compat.compile_without_running = late
+        tx, step = make(model, distributed=True, compiled=compiled)
+        # async: the ranks' builds end at different steps (rank 0 waits for its own
+        # at step 2, rank 1's, 5 s late, at step 6); they must switch together, after 6.
+        paths: list[bool] = []
+        wait_at = (2, 6)[rank] if mode == "async" else None
+        if mode == "async_one_fails":
+            wait_at = 2  # rank 1's wait returns False (its build failed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params = train(model, tx, step, x[shard], y[shard], wait_at, paths)
         stats = {
+            "warnings": [str(w.message) for w in caught if 'compile="async"' in str(w.message)],
             "graphs": counters["stats"]["unique_graphs"],
             "breaks": sum(counters["graph_break"].values()),
+            "paths": paths,
         }
         torch.save({"params": params, "stats": stats}, Path(out) / f"rank{rank}.pt")
     finally:
