@@ -13,6 +13,8 @@ from torch._dynamo.testing import CompileCounter
 
 import funcgrad as fg
 
+GAVE_UP = 'fg.make_step(compile="async"): the compiled step could not be built, so the step goes on eagerly'
+
 
 def _setup(dtype):
     torch.manual_seed(0)
@@ -104,7 +106,7 @@ def test_a_build_that_fails_warns_once_and_trains_eagerly():
         mine = [w for w in caught if 'compile="async"' in str(w.message)]
         assert len(mine) == (0 if compile is False else 1)
         if mine:
-            assert "the step goes on eagerly" in str(mine[0].message)
+            assert str(mine[0].message).startswith(GAVE_UP)
         results.append(params)
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k])

@@ -516,8 +516,11 @@ def make_step(
             thread; the first call after the build is done runs compiled. The
             step's ``is_compiled`` says which path the last call took;
             ``step.wait_compiled(timeout)`` blocks until the build ends. A build
-            that fails warns once and the step stays eager. Not across
-            ``torch.distributed`` ranks yet. On a CPU the build shares the
+            that fails warns once and the step stays eager. Across
+            ``torch.distributed`` ranks every rank switches at the same step
+            (they agree by one small all-reduce per eager step; the build
+            compiles without running, so inductor or an AOT-autograd backend).
+            On a CPU the build shares the
             interpreter with the eager steps (the GIL) and takes longer than
             ``compile=True``'s (docs/compile-notes.md, "compile='async'").
             ``"step"`` is the same as ``True``. With inductor,
