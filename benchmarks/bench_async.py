@@ -3,7 +3,8 @@ to the switch, and to the end of a run, each in a fresh process with a cold indu
 cache (its own temporary TORCHINDUCTOR_CACHE_DIR).
 
 The MLP 256-512-512-512-10 of bench_step.py at batch 64, the seed rule per layer and
-Adam, donated. Run: python benchmarks/bench_async.py [--steps N]
+Adam, donated. Run: python benchmarks/bench_async.py [--steps N] [--device cuda]
+(benchmarks/gpu.sh runs it on a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tempfile
 import time
 
 
-def child(mode: str, steps: int) -> None:
+def child(mode: str, steps: int, device: str) -> None:
     t0 = time.perf_counter()
     import torch
     from bench_step import mlp
@@ -26,8 +27,12 @@ def child(mode: str, steps: int) -> None:
     import funcgrad as fg
 
     torch.manual_seed(0)
-    model = mlp()
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    model = mlp().to(device)
+    x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
+
+    def sync() -> None:  # a GPU step has ended when its kernels have
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     def loss(p, x, y):
         return nn.functional.cross_entropy(fg.call(model, p, x), y)
@@ -42,27 +47,32 @@ def child(mode: str, steps: int) -> None:
     for i in range(steps):
         step(params, state, x, y)
         if first is None:
+            sync()
             first = time.perf_counter() - start
         if switch is None and step.is_compiled:
+            sync()
             switch = (i, time.perf_counter() - start)
+    sync()
     end = time.perf_counter() - start
-    print(json.dumps({"mode": mode, "import_s": start - t0, "first_step_s": first,
+    print(json.dumps({"mode": mode, "device": device, "import_s": start - t0, "first_step_s": first,
                       "switch": switch, "end_s": end}))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.steps)
+        return child(args.child, args.steps, args.device)
     here = os.path.dirname(os.path.abspath(__file__))
     for mode in ("False", "True", "async"):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": here}
             out = subprocess.run(
-                [sys.executable, __file__, "--child", mode, "--steps", str(args.steps)],
+                [sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
+                 "--device", args.device],
                 env=env, capture_output=True, text=True, check=True,
             )  # fmt: skip
             print(out.stdout.strip().splitlines()[-1], flush=True)

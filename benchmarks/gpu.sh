@@ -5,7 +5,8 @@
 #     PYTHON=python3 bash benchmarks/gpu.sh
 # Needs torch (CUDA), optree, pytest and numpy importable by $PYTHON; funcgrad is
 # taken from this checkout (PYTHONPATH). Writes its outputs to $OUT
-# (default benchmarks/results): gpu_tests.txt, gpu_scaling.txt and its JSON, gpu_flat.txt.
+# (default benchmarks/results): gpu_tests.txt, gpu_scaling.txt and its JSON, gpu_flat.txt,
+# gpu_async.txt.
 #
 # 1. tests/test_device.py with FUNCGRAD_TEST_DEVICE=cuda: Adam against torch.optim in
 #    float32/float16/bfloat16, the compiled (inductor) donated step and
@@ -18,6 +19,9 @@
 # 3. benchmarks/bench_flat_compiled.py --device cuda: the compiled MLP step on the flat
 #    layout (fg.params) against the per-tensor one (a dict built by hand), interleaved,
 #    and the CUDA kernels each launches per step (torch.profiler) (#21).
+# 4. benchmarks/bench_async.py --device cuda: compile="async" against compile=True and
+#    the eager step, each in a fresh process with a cold inductor cache: time to the
+#    first step, the switch and the end of 1000 steps (#41).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,3 +35,4 @@ FUNCGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_devi
     2>&1 | tee "$OUT/gpu_tests.txt"
 "$PY" benchmarks/bench_scaling.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/gpu_scaling.txt"
 "$PY" benchmarks/bench_flat_compiled.py --device cuda 2>&1 | tee "$OUT/gpu_flat.txt"
+"$PY" benchmarks/bench_async.py --device cuda 2>&1 | tee "$OUT/gpu_async.txt"

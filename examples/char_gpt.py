@@ -62,9 +62,10 @@ def parser() -> argparse.ArgumentParser:
         nargs="?",
         const="step",
         default="step",
-        choices=["none", "step", "gradients"],
+        choices=["none", "step", "gradients", "async"],
         help="compile the whole step (step), only its forward and backward "
-        "(gradients), or nothing (none)",
+        "(gradients), the whole step in the background while eager steps train "
+        "(async), or nothing (none)",
     )
     ap.add_argument(
         "--eager-steps",
@@ -152,6 +153,7 @@ def sample(model: CharGPT, start: str, stoi, itos, n: int, seed: int) -> str:
 
 MODES = {
     "step": "compiled (whole step)",
+    "async": "async (eager, then compiled)",
     "gradients": "compiled (gradients only)",
     "none": "eager",
 }
@@ -200,7 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
         logits = fg.call(model, p, x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    compile = {"none": False, "step": True, "gradients": "gradients"}[args.compile]
+    compile = {"none": False, "step": True, "gradients": "gradients", "async": "async"}[
+        args.compile
+    ]
     step = fg.make_step(loss_fn, tx, compile=compile, donate=True)
     params = fg.params(model)
     state = tx.init(params)
@@ -216,11 +220,14 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     micro_steps = args.steps * args.accumulate
     speeds = {}
+    switch: tuple[int, float] | None = None  # async: the first compiled micro-step, when
     for i in tqdm(range(micro_steps), desc="char-gpt", mininterval=0.5):
         params, state, loss = step(params, state, *batch(train_data))
         losses.append(loss.item())
         if i == 0:
             first = time.perf_counter() - t0
+        if switch is None and args.compile == "async" and step.is_compiled:
+            switch = (i, time.perf_counter() - t0)
     elapsed = time.perf_counter() - t0
     speeds[MODES[args.compile]] = _speed(first, elapsed - first, micro_steps - 1)
     if args.eager_steps > 0 and args.compile != "none":
@@ -242,7 +249,17 @@ def main(argv: list[str] | None = None) -> dict:
         val = float(loss_fn(params, xv, yv))
     model.train()
     stats = state.inner["monitor"].stats
-    print(f"\n{args.steps} updates x {args.accumulate} micro-batches in {elapsed:.0f} s\n")
+    print(f"\n{args.steps} updates x {args.accumulate} micro-batches in {elapsed:.0f} s")
+    if args.compile == "async":
+        print(
+            f"async: first micro-step after {first:.2f} s; "
+            + (
+                f"compiled from micro-step {switch[0]} ({switch[1]:.1f} s)"
+                if switch is not None
+                else "the build did not finish before the end: every step ran eagerly"
+            )
+        )
+    print()
     print(f"{'step':28s} {'first step':>10s} {'micro-steps/s':>13s}   (after the first)")
     for mode, (first_s, per_s) in speeds.items():
         print(f"{mode:28s} {first_s:9.2f}s {per_s:13.1f}")
@@ -274,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": elapsed,
         "sample": text_out,
         "speeds": {m: {"first_step_s": f, "steps_per_s": r} for m, (f, r) in speeds.items()},
+        "switch": None if switch is None else {"micro_step": switch[0], "seconds": switch[1]},
     }
     (args.out / "char_gpt.json").write_text(json.dumps(result, indent=2))
     print(f"\nfigure: {png.resolve()}")

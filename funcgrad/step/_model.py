@@ -7,6 +7,7 @@ function ``(params, buffers, inputs) -> outputs`` through ``functional_call``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -264,12 +265,60 @@ def call(
     # the given tensors instead of its parameters (42 of 300 random Ctrl-C's did, on a
     # 20-layer MLP): it is held back until the forward is done, then delivered.
     watch = _WATCH.on and buffers is None
+    if _SHADOW.on:
+        model = _shadow(model, {})
     with _lock_of(model), sigint_held():
         before = [b._version for b in bufs] if watch else None
         out = _call(model, params, args, kwargs, buffers)
         if before is not None and [b._version for b in bufs] != before:
             raise RuntimeError(f"fg.call: {BUFFER_WRITE}")
         return out
+
+
+class _Shadowing(threading.local):
+    on = False
+
+
+_SHADOW = _Shadowing()
+
+
+@contextlib.contextmanager
+def shadowing() -> Iterator[None]:
+    """While on (in this thread), :func:`call` runs each forward on a shadow of the
+    module: new module objects whose parameter, buffer and child dicts are copies,
+    holding the module's own tensors. ``functional_call`` then swaps tensors in the
+    shadow's dicts, never in the module's.
+
+    ``make_step(compile="async")`` steps eagerly under it while another thread traces
+    the step: dynamo reads the real module's attributes as it traces (and again when
+    it restarts its analysis), and a forward swapping them meanwhile made it trace
+    another module (a tied weight seen untied, "head.weight missing": char_gpt's
+    build failed so). The shadow is made again on every call, so it follows
+    ``model.train()``/``eval()`` and anything else set on the module between steps;
+    its cost (one shallow copy per submodule per forward) is paid only while a build
+    runs."""
+    was = _SHADOW.on
+    _SHADOW.on = True
+    try:
+        yield
+    finally:
+        _SHADOW.on = was
+
+
+def _shadow(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` and its submodules (a module reached twice is one
+    shadow, so shared modules stay shared), with dicts of its own."""
+    done = memo.get(id(module))
+    if done is not None:
+        return done
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._modules = {
+        k: None if m is None else _shadow(m, memo) for k, m in module._modules.items()
+    }
+    return clone
 
 
 _LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()

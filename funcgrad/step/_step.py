@@ -60,7 +60,7 @@ from ..core._tree import commit, copy_into, sigint_held, tree_map
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
 from ._ghost import ghost_gradients
-from ._model import watching_buffers
+from ._model import shadowing, watching_buffers
 from ._per_sample import vmapped_grads
 
 
@@ -414,7 +414,9 @@ class _Background:
             return self.compiled(fresh, params, state, *args)
         # (torch's own "compiling" flag, one for the process, is set while the other
         # thread traces: funcgrad asks _compat.compiling(), which is per thread)
-        return self.eager(fresh, params, state, *args)
+        building = self.thread is not None and self.thread.is_alive()
+        with shadowing() if building else contextlib.nullcontext():
+            return self.eager(fresh, params, state, *args)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until this process's background build ends (or ``timeout`` seconds);
@@ -520,7 +522,9 @@ def make_step(
             ``torch.distributed`` ranks every rank switches at the same step
             (they agree by one small all-reduce per eager step; the build
             compiles without running, so inductor or an AOT-autograd backend).
-            On a CPU the build shares the
+            A step with random ops (dropout) is not reproduced draw for draw
+            while the build runs: torch's trace saves and restores the global
+            generator (docs/compile-notes.md). On a CPU the build shares the
             interpreter with the eager steps (the GIL) and takes longer than
             ``compile=True``'s (docs/compile-notes.md, "compile='async'").
             ``"step"`` is the same as ``True``. With inductor,
