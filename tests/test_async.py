@@ -165,6 +165,8 @@ def _option_case(case):
 
     if case == "per_sample":
         kwargs["per_sample"] = fg.per_group(fg.rules.clip_norm(0.5), groups)
+    if case == "ghost_clip":
+        kwargs["per_sample"] = fg.ghost_clip(0.5)
     if case == "accumulate":
         tx = fg.accumulate(tx, every=3)
     g = torch.Generator().manual_seed(1)
@@ -197,9 +199,10 @@ def _run_option(case, compile, wait_at=None):
     return got, paths
 
 
-@pytest.mark.parametrize("case", ["buffers", "per_sample", "accumulate", "schedule"])
+@pytest.mark.parametrize("case", ["buffers", "per_sample", "ghost_clip", "accumulate", "schedule"])
 def test_async_with_each_step_option_equals_the_eager_run(case):
-    """buffers=True (train-mode BatchNorm), per_sample=, fg.accumulate and a schedule:
+    """buffers=True (train-mode BatchNorm), per_sample= (vmapped, and fg.ghost_clip,
+    whose forward hook sees the eager steps' shadow modules), fg.accumulate and a schedule:
     eager steps, the switch (after the build is awaited at step 4), then compiled
     (inductor) steps give the parameters (and running statistics) of an all-eager run
     in float64: no step lost, repeated or half-applied at the switch, and the
