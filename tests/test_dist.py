@@ -30,10 +30,12 @@ def test_setup_has_a_layer_all_zero_on_one_rank_only():
     assert (g_full["0.weight"] != 0).any()
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled", "async"])
+@pytest.mark.parametrize("mode", ["eager", "compiled", "async", "async_sharded"])
 def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
     """async: compile="async" with inductor, each rank's build done at another step
-    (2 and 6); both switch at the same step, and the result is the one process's."""
+    (2 and 6); both switch at the same step, and the result is the one process's.
+    async_sharded: the same with fg.sharded (reduce-scatter, all-gather) in place of
+    fg.all_reduce_mean."""
     run_ranks(mode, tmp_path)
     _, x, y = model_and_data()
     want = single_process(x, y)
@@ -47,13 +49,13 @@ def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
         if mode == "compiled":
             assert {k: got["stats"][k] for k in ("graphs", "breaks")} == {"graphs": 1, "breaks": 0}
         paths = got["stats"]["paths"]
-        if mode == "async":
+        if mode.startswith("async"):
             switch = paths.index(True)
             assert switch >= 6 and all(paths[switch:]) and not any(paths[:switch])
         else:
             assert paths == [mode == "compiled"] * len(paths)
     stats = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["stats"] for r in (0, 1)]
-    if mode == "async":  # the same step on both ranks
+    if mode.startswith("async"):  # the same step on both ranks
         assert stats[0]["paths"] == stats[1]["paths"]
     assert stats[0]["warnings"] == stats[1]["warnings"] == []
 

@@ -603,7 +603,12 @@ def sharded(
                 __slots__ = ()
 
             State_.layout = layout  # type: ignore[attr-defined]
-            State_.__name__ = State_.__qualname__ = "ShardedState"
+            State_.__name__ = "ShardedState"
+            # Findable by name in this module, as pickle finds a class: torch's
+            # compile-without-running (make_step(compile="async") across ranks) pickles
+            # the guards' view of the state, types included.
+            State_.__qualname__ = f"_ShardedState_{id(State_):x}"
+            globals()[State_.__qualname__] = State_
             cls = classes[key] = State_
         return cls
 

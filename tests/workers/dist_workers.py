@@ -43,10 +43,12 @@ def model_and_data():
     return m, x, y
 
 
-def make(model, distributed: bool, compiled: bool | str):
+def make(model, distributed: bool, compiled: bool | str, sharded: bool = False):
     groups = fg.group_by_module(model)
-    head = [fg.all_reduce_mean()] if distributed else []
+    head = [fg.all_reduce_mean()] if distributed and not sharded else []
     tx = fg.chain(*head, fg.per_group(fg.rules.zero_fix(), groups), fg.adam(lr=0.05))
+    if sharded:  # ZeRO-2: reduce-scatter, the rule and Adam on this rank's chunk, gather
+        tx = fg.sharded(tx)
 
     def loss(p, x, y):
         return ((fg.call(model, p, x) - y) ** 2).mean()
@@ -98,11 +100,13 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
                 return build(*a, **k)
 
             compat.compile_without_running = late
-        tx, step = make(model, distributed=True, compiled=compiled)
+        tx, step = make(
+            model, distributed=True, compiled=compiled, sharded=mode.endswith("sharded")
+        )
         # async: the ranks' builds end at different steps (rank 0 waits for its own
         # at step 2, rank 1's, 5 s late, at step 6); they must switch together, after 6.
         paths: list[bool] = []
-        wait_at = (2, 6)[rank] if mode == "async" else None
+        wait_at = (2, 6)[rank] if mode in ("async", "async_sharded") else None
         if mode == "async_one_fails":
             wait_at = 2  # rank 1's wait returns False (its build failed)
         with warnings.catch_warnings(record=True) as caught:
