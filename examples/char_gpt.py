@@ -19,7 +19,9 @@ writes a PNG of the loss curve.
 The whole step (forward, backward, accumulation, monitor, AdamW) is compiled as one
 graph by default (``make_step(compile=True)``): the first step takes tens of seconds
 (compiling), the others are the fastest. ``--compile gradients`` compiles only the
-forward and backward (the update runs eagerly); ``--compile none`` runs eagerly.
+forward and backward (the update runs eagerly); ``--compile async`` trains eagerly
+while the whole step compiles in the background, then switches (it prints where);
+``--compile none`` runs eagerly.
 After training it times ``--eager-steps`` micro-steps of the same step run eagerly on
 copies of the parameters and state, and prints the first step's seconds and the
 steps per second of both (benchmarks/README.md has more measurements).
