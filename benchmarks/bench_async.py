@@ -69,12 +69,15 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     for mode in ("False", "True", "async"):
         with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": here}
+            path = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": path}
             out = subprocess.run(
                 [sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
                  "--device", args.device],
-                env=env, capture_output=True, text=True, check=True,
+                env=env, capture_output=True, text=True,
             )  # fmt: skip
+            if out.returncode:
+                sys.exit(f"bench_async: the {mode} child failed:\n{out.stderr[-3000:]}")
             print(out.stdout.strip().splitlines()[-1], flush=True)
 
 

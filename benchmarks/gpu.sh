@@ -22,17 +22,41 @@
 # 4. benchmarks/bench_async.py --device cuda: compile="async" against compile=True and
 #    the eager step, each in a fresh process with a cold inductor cache: time to the
 #    first step, the switch and the end of 1000 steps (#41).
-set -euo pipefail
+# 5. benchmarks/study_fused_adam_op.py --device cuda: torch's fused Adam kernel as a
+#    custom op inside the compiled step against funcgrad's compiled step (inductor's
+#    update) and a hand-written inductor update, bit for bit against
+#    Adam(fused=True) (#41 part 4): gpu_fused_adam.txt.
+#
+# Each check has its own time limit (seconds, scaled by GPU_TIME_SCALE, default 1) and
+# a failed or timed-out check does not stop the next: a device lent for 15 minutes
+# brings back what ran. The exit status is 1 if any check failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results}
+SCALE=${GPU_TIME_SCALE:-1}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch, optree, pytest
 assert torch.cuda.is_available(), "benchmarks/gpu.sh: no CUDA device visible to torch"
-print("torch", torch.__version__, "on", torch.cuda.get_device_name())'
-FUNCGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_device.py \
-    2>&1 | tee "$OUT/gpu_tests.txt"
-"$PY" benchmarks/bench_scaling.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/gpu_scaling.txt"
-"$PY" benchmarks/bench_flat_compiled.py --device cuda 2>&1 | tee "$OUT/gpu_flat.txt"
-"$PY" benchmarks/bench_async.py --device cuda 2>&1 | tee "$OUT/gpu_async.txt"
+print("torch", torch.__version__, "on", torch.cuda.get_device_name())' || exit 1
+failed=0
+check() {  # check NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    limit=$(awk -v a="$limit" -v b="$SCALE" 'BEGIN { print int(a * b) }')
+    echo "== $name (limit ${limit} s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt"
+    [ "$rc" = 0 ] || failed=1
+}
+check gpu_tests 110 env FUNCGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_device.py
+check gpu_async 150 "$PY" benchmarks/bench_async.py --device cuda
+check gpu_fused_adam 80 "$PY" benchmarks/study_fused_adam_op.py --device cuda
+check gpu_flat 60 "$PY" benchmarks/bench_flat_compiled.py --device cuda
+check gpu_scaling 110 "$PY" benchmarks/bench_scaling.py --device cuda --out "$OUT" \
+    --layers 10 100 1000 --compile-layers 10 40
+exit $failed
