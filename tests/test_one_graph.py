@@ -5,7 +5,9 @@ cache of ``fg.Flat``), and ``fg.params`` inside a compiled function."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import re
 
 import pytest
@@ -104,3 +106,92 @@ def test_fg_params_inside_a_compiled_function_says_to_call_it_outside():
         return fg.call(model, p, x).sum()
 
     torch.testing.assert_close(g(params, torch.ones(3, 2)), model(torch.ones(3, 2)).sum())
+
+
+class _Restarts(logging.Handler):
+    """Counts dynamo's "Restarting analysis" records (its INFO log) while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("Restarting analysis")
+
+    def __enter__(self) -> _Restarts:
+        self.log = logging.getLogger("torch._dynamo.convert_frame")
+        self.level = self.log.level
+        self.log.setLevel(logging.INFO)
+        self.log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.removeHandler(self)
+        self.log.setLevel(self.level)
+
+
+def _cold() -> contextlib.AbstractContextManager[None]:
+    """Inductor's FX graph and AOTAutograd caches off: the restart happens in a cold
+    compile only (a cached graph skips the pass that asks for it)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def test_the_compiled_step_is_traced_once_with_inductor():
+    """Every optimizer state holds its lr as a 0-d float64 tensor; as a CPU graph input
+    it made inductor restart dynamo's analysis once (the step traced twice, ~2 s of a
+    cold MLP compile). funcgrad/step/_scalars.py passes it as a 1-element view."""
+
+    def plain(p: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+        return p - lr * p
+
+    torch._dynamo.reset()
+    with _cold(), _Restarts() as seen:  # the detector sees the restart where it happens
+        torch.compile(plain, fullgraph=True)(torch.ones(3), torch.tensor(0.1, dtype=torch.float64))
+    assert seen.count >= 1, "this torch no longer restarts on a 0-d float64 input"
+
+    for donate in (False, True):
+        torch._dynamo.reset()
+        model, loss = model_and_loss("plain")
+        tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam())
+        step = fg.make_step(loss, tx, compile=True, donate=donate)
+        params = fg.params(model)
+        state = tx.init(params)
+        x, y = torch.randn(8, 4), torch.randn(8, 3)
+        with _cold(), _Restarts() as seen:
+            for _ in range(3):
+                params, state, _ = step(params, state, x, y)
+        assert seen.count == 0, f"donate={donate}: the step was traced {1 + seen.count} times"
+
+
+def test_two_states_share_one_compiled_step_each_with_its_own_lr():
+    """One compiled donated step, called in turn with two (params, state) pairs whose
+    learning rates differ (fg.set_lr): each pair ends where its own eager run does."""
+    torch._dynamo.reset()
+    model, loss = model_and_loss("plain")
+    model.double()
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(model)), fg.adam(lr=1e-2))
+    shared = fg.make_step(loss, tx, compile=True, donate=True)
+    eager = fg.make_step(loss, tx, donate=True)
+    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def pair(lr: float):
+        params = {k: v.clone() for k, v in start.items()}  # one tensor per parameter
+        return params, fg.set_lr(tx.init(params), lr)
+
+    (pa, sa), (pb, sb) = pair(1e-2), pair(3e-2)
+    (qa, ra), (qb, rb) = pair(1e-2), pair(3e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x, y = torch.randn(8, 4, generator=g).double(), torch.randn(8, 3, generator=g).double()
+        shared(pa, sa, x, y)
+        shared(pb, sb, x, y)
+        eager(qa, ra, x, y)
+        eager(qb, rb, x, y)
+    assert fg.get_lr(sa) == [1e-2] and fg.get_lr(sb) == [3e-2]
+    for got, want in ((pa, qa), (pb, qb)):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12)
+    assert not all(torch.equal(pa[k], pb[k]) for k in pa)  # the two lrs did differ

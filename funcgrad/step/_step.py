@@ -57,6 +57,7 @@ from ..core._compose import transform_active
 from ..core._flat import Flat, leaves
 from ..core._scratch import Scratch, lending
 from ..core._tree import commit, copy_into, sigint_held, tree_map
+from . import _scalars
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
 from ._ghost import ghost_gradients
@@ -285,8 +286,12 @@ def _held(core: _Core, impl: Callable[..., tuple[Any, ...]]) -> Run:
 
 
 def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
-    """``compile=True``: the whole step as one graph."""
-    return _held(core, torch.compile(_traced_step(core), **{**options, "fullgraph": True}))
+    """``compile=True``: the whole step as one graph (the state's 0-d float64 CPU
+    tensors passed as 1-element views: funcgrad/step/_scalars.py)."""
+    traced = _scalars.lowered(_traced_step(core))
+    return _scalars.Lifted(
+        _held(core, torch.compile(traced, **{**options, "fullgraph": True})), core.donate
+    )
 
 
 def _world_size() -> int:
