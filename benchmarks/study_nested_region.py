@@ -83,9 +83,8 @@ def main() -> None:
         layers, route, region = int(args.child[0]), args.child[1], args.child[2] == "1"
         print(json.dumps(child(layers, route, region)))
         return
-    from bench_step import cold_caches
-
     import torch
+    from bench_step import cold_caches
 
     print(f"torch {torch.__version__}; char_gpt.py's model, {args.layers} blocks, dim 64")
     for route in ("func", "autograd"):
