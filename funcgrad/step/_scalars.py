@@ -78,16 +78,21 @@ def put(tree: Any, path: Path, value: Any) -> Any:
     return {k: put(x, rest, value) if k == key else x for k, x in tree.items()}
 
 
-def lowered(fn: Callable[..., Any]) -> Callable[..., Any]:
+def lowered(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
     """What is compiled: ``fn(params, state, *args)`` called as
-    ``(params, state, paths, views, *args)``, each view put back 0-d at its path."""
+    ``(params, state, paths, views, *args)``, each view put back 0-d at its path.
+    Donated, the graph returns ``None`` in the params' and the state's places
+    (:class:`Lifted` hands back the caller's own, which the graph wrote into):
+    returning the rebuilt state would make its views outputs to regenerate, and its
+    containers objects to rebuild, on every call."""
 
     def step(
         params: Any, state: Any, paths: tuple[Path, ...], views: tuple[Tensor, ...], *args: Any
     ) -> Any:
         for path, v in zip(paths, views, strict=True):
             state = put(state, path, v.view(()))
-        return fn(params, state, *args)
+        out = fn(params, state, *args)
+        return (None, None, *out[2:]) if donate else out
 
     return step
 
@@ -95,8 +100,8 @@ def lowered(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Lifted:
     """Calls a :func:`lowered` compiled step with the state's 0-d float64 CPU leaves as
     ``(1,)`` views. The paths are found again when the inputs' structure is new
-    (``fresh``) or a leaf at a known path is no longer such a tensor; a donated step's
-    returned state is the caller's own (the graph's is the rebuilt one)."""
+    (``fresh``) or a leaf at a known path is no longer such a tensor. A donated step
+    returns the caller's own params and state (written into by the graph)."""
 
     def __init__(self, run: Callable[..., tuple[Any, ...]], donate: bool) -> None:
         self.run, self.donate = run, donate
@@ -112,4 +117,4 @@ class Lifted:
             paths = self.paths = tuple(find(state))
             found = [get(state, p) for p in paths]
         out = self.run(fresh, params, state, paths, tuple(t.view(1) for t in found), *args)
-        return (out[0], state, *out[2:]) if self.donate else out
+        return (params, state, *out[2:]) if self.donate else out

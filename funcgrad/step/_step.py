@@ -288,7 +288,7 @@ def _held(core: _Core, impl: Callable[..., tuple[Any, ...]]) -> Run:
 def _compiled_step(core: _Core, options: dict[str, Any]) -> Run:
     """``compile=True``: the whole step as one graph (the state's 0-d float64 CPU
     tensors passed as 1-element views: funcgrad/step/_scalars.py)."""
-    traced = _scalars.lowered(_traced_step(core))
+    traced = _scalars.lowered(_traced_step(core), core.donate)
     return _scalars.Lifted(
         _held(core, torch.compile(traced, **{**options, "fullgraph": True})), core.donate
     )
