@@ -186,7 +186,8 @@ def test_two_states_share_one_compiled_step_each_with_its_own_lr():
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
         x, y = torch.randn(8, 4, generator=g).double(), torch.randn(8, 3, generator=g).double()
-        shared(pa, sa, x, y)
+        out = shared(pa, sa, x, y)
+        assert out[0] is pa and out[1] is sa  # donated: the caller's own, written into
         shared(pb, sb, x, y)
         eager(qa, ra, x, y)
         eager(qb, rb, x, y)
