@@ -5,6 +5,7 @@ cache of ``fg.Flat``), and ``fg.params`` inside a compiled function."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -196,3 +197,40 @@ def test_two_states_share_one_compiled_step_each_with_its_own_lr():
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12)
     assert not all(torch.equal(pa[k], pb[k]) for k in pa)  # the two lrs did differ
+
+
+@pytest.mark.parametrize("container", [dict, collections.OrderedDict])
+def test_a_custom_state_with_a_0d_float64_leaf_compiles_equal_to_eager(container):
+    """A user's transformation keeping a 0-d float64 CPU tensor in its state (a plain
+    dict, whose leaf the compiled step passes as a view, or an OrderedDict, left as a
+    0-d input): the compiled donated step equals the eager one and writes the leaf."""
+
+    def scaled() -> fg.GradientTransformation:
+        def init(params):
+            return container(scale=torch.tensor(1.0, dtype=torch.float64))
+
+        def update(grads, state, params=None):
+            s = state["scale"] * 0.5
+            out = {k: g * s.to(g.dtype) for k, g in grads.items()}
+            return out, container(scale=s)
+
+        return fg.GradientTransformation(init, update)
+
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        model, loss = model_and_loss("plain")
+        model.double()
+        tx = fg.chain(scaled(), fg.adam(lr=1e-2))
+        params = {k: p.detach().clone() for k, p in model.named_parameters()}
+        state = tx.init(params)
+        step = fg.make_step(loss, tx, compile=compiled, donate=True)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            x, y = torch.randn(8, 4, generator=g).double(), torch.randn(8, 3, generator=g).double()
+            step(params, state, x, y)
+        results.append((params, state))
+    (pe, se), (pc, sc) = results
+    assert se.inner_states[0]["scale"].item() == sc.inner_states[0]["scale"].item() == 0.125
+    for k in pe:
+        torch.testing.assert_close(pc[k], pe[k], rtol=1e-12, atol=1e-12)

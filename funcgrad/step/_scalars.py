@@ -19,7 +19,7 @@ leaf that would have made the symbol is never read by the trace.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,19 +39,20 @@ def _is_scalar(t: Any) -> bool:
 
 
 def find(tree: Any, path: Path = ()) -> list[Path]:
-    """The paths of the 0-d float64 CPU tensors in ``tree`` (NamedTuples, tuples,
-    lists and dicts are walked; a ``Flat``'s buffers are never 0-d)."""
+    """The paths of the 0-d float64 CPU tensors in ``tree``: NamedTuples, plain tuples,
+    lists and dicts are walked (a ``Flat``'s buffers are never 0-d; a leaf inside
+    another container stays a 0-d input, correct but traced twice)."""
     if isinstance(tree, Tensor):
         return [path] if _is_scalar(tree) else []
     if isinstance(tree, Flat):
         return []
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return [p for f in tree._fields for p in find(getattr(tree, f), (*path, ("attr", f)))]
-    if isinstance(tree, tuple | list):
+    if type(tree) in (tuple, list):
         return [p for i, x in enumerate(tree) for p in find(x, (*path, ("item", i)))]
-    if isinstance(tree, Mapping):
+    if type(tree) is dict:
         return [p for k, x in tree.items() for p in find(x, (*path, ("item", k)))]
-    return []
+    return []  # other containers are left alone: :func:`put` rebuilds only these
 
 
 def get(tree: Any, path: Path) -> Any:
@@ -72,9 +73,8 @@ def put(tree: Any, path: Path, value: Any) -> Any:
             for f in tree._fields
         ]
         return type(tree)(*fields)
-    if isinstance(tree, tuple | list):
-        items = [put(x, rest, value) if i == key else x for i, x in enumerate(tree)]
-        return type(tree)(items) if type(tree) in (tuple, list) else type(tree)(*items)
+    if type(tree) in (tuple, list):
+        return type(tree)([put(x, rest, value) if i == key else x for i, x in enumerate(tree)])
     return {k: put(x, rest, value) if k == key else x for k, x in tree.items()}
 
 
