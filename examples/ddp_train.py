@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> float:
             dist.broadcast(ref, src=0)
             if not torch.equal(ref, p):
                 raise RuntimeError(f"rank {rank}: {name} differs from rank 0")
-        # Release the step's tensors (some came out of gloo collectives) while the
-        # process group is alive: tensors still referenced by gloo's worker threads at
-        # interpreter exit make the process abort ("terminate called without an
-        # active exception"; torch 2.13, also with funcgrad 0.1).
+        # A process group alive at interpreter exit can abort the process ("terminate
+        # called without an active exception"): destroy it at the end. funcgrad keeps
+        # no reference to it (docs/distributed.md, "At exit"); releasing the step's
+        # tensors first (some came out of gloo collectives) costs nothing.
         del params, state, step, tx
         gc.collect()
         dist.barrier()

@@ -79,6 +79,24 @@ def functional_collectives() -> ModuleType:
     return fc
 
 
+# -- torch.distributed.nn.functional: imported before any process group ----------------
+# Its collectives take ``group=group.WORLD`` as a default argument, evaluated when the
+# module is imported; torch._dynamo imports it. Imported after init_process_group, ten
+# functions hold the world group for the life of the process: destroy_process_group
+# then frees nothing, and gloo's threads (and rank 0's TCPStore) run on into
+# interpreter exit, where a gloo thread that takes the GIL during finalization aborts
+# the process ("terminate called without an active exception"). Imported before, the
+# defaults are None. Checked on 2.13 and 2.14 (benchmarks/README.md, "A process group
+# alive at exit"). Replacement: none needed once torch resolves that default per call.
+def import_distributed_nn_early() -> None:
+    """Import ``torch.distributed.nn.functional`` now (2-8 ms), before a process group
+    exists, so that its default arguments do not pin the world group."""
+    import torch.distributed as dist
+
+    if dist.is_available():
+        import torch.distributed.nn.functional  # noqa: F401
+
+
 # -- torch._inductor -------------------------------------------------------------------
 # list_mode_options turns torch.compile's ``mode=`` into inductor options, so funcgrad
 # can add ``emulate_precision_casts`` (torch.compile takes mode or options, not both).

@@ -46,6 +46,19 @@ def test_functorch_interpreter_stack_and_wrappers():
     assert seen == [(True, True), (True, True)]
 
 
+def test_distributed_nn_is_imported_with_funcgrad_so_its_defaults_hold_no_group():
+    """torch.distributed.nn.functional evaluates ``group=group.WORLD`` when imported;
+    funcgrad imports it first (before any process group), so those defaults are None
+    and do not keep a destroyed world group alive (benchmarks/repro_pinned_group.py)."""
+    import torch.distributed.nn.functional as dnf
+
+    _compat.import_distributed_nn_early()
+    assert "torch.distributed.nn.functional" in sys.modules
+    defaults = [d for f in (dnf.all_reduce, dnf.broadcast) for d in f.__defaults__ or ()]
+    assert None in defaults
+    assert not any(isinstance(d, torch.distributed.ProcessGroup) for d in defaults)
+
+
 def test_functional_collectives_is_imported_on_first_use():
     fc = _compat.functional_collectives()
     assert fc.__name__ == "torch.distributed._functional_collectives"

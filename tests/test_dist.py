@@ -55,6 +55,8 @@ def test_two_ranks_equal_one_process_on_the_full_batch(mode, tmp_path):
         else:
             assert paths == [mode == "compiled"] * len(paths)
     stats = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["stats"] for r in (0, 1)]
+    # destroy_process_group freed the group while tx and the step were alive
+    assert [(tmp_path / f"rank{r}.freed").read_text() for r in (0, 1)] == ["True", "True"]
     if mode.startswith("async"):  # the same step on both ranks
         assert stats[0]["paths"] == stats[1]["paths"]
     assert stats[0]["warnings"] == stats[1]["warnings"] == []
@@ -103,3 +105,27 @@ def test_all_reduce_mean_outside_a_process_group():
     tx = fg.all_reduce_mean(noop_if_not_initialized=True)
     g = {"w": torch.ones(2)}
     assert tx.update(g, tx.init(g))[0] is g
+
+
+def test_a_transformation_of_a_destroyed_group_says_so(one_rank):
+    """fg.all_reduce_mean, and a sharded state's layout (its class lives in a module),
+    hold a group passed to them weakly: they do not keep a destroyed group alive, and
+    used after it is gone they say what happened instead of a torch error."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    sub = dist.new_group([0])
+    alive = weakref.ref(sub)
+    mean = fg.all_reduce_mean(sub)
+    g = {"w": torch.ones(2)}
+    state = fg.sharded(fg.adam(lr=0.1), group=sub).init(g)  # its tx dropped
+    assert torch.equal(mean.update(g, mean.init(g))[0]["w"], g["w"])
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    assert alive() is None
+    for use in (lambda: mean.update(g, mean.init(g)), lambda: fg.state_dict(state)):
+        with pytest.raises(RuntimeError, match="was built for no longer exists"):
+            use()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -362,7 +363,7 @@ def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, capped, monkey
     parts = []
     for rank in range(world):
         monkeypatch.setattr(_shard.dist, "get_rank", lambda group=None, r=rank: r)
-        parts.append(_shard.Chunks(object(), flat.layout))
+        parts.append(_shard.Chunks(SimpleNamespace(group_name="stand-in"), flat.layout))
     for b, n in enumerate(flat.layout.sizes):
         c = -(-n // world)
         spans = [ch.span(ch.rank, b) for ch in parts]

@@ -4,3 +4,9 @@ directories written with ``torch.distributed.checkpoint``, imported on first use
 a sharded state's rows viewed whole). Imports ``funcgrad.core`` and ``funcgrad.rules``.
 The public names are ``fg.*``.
 """
+
+from .. import _compat
+
+# Before any process group, as `import funcgrad` comes first in a script: torch's
+# defaults that would otherwise pin the world group (funcgrad/_compat.py).
+_compat.import_distributed_nn_early()

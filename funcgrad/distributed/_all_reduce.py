@@ -8,7 +8,8 @@ all-zero on one rank's shard of the batch and not on the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,65 @@ from ..core._compose import refuse_transforms
 def initialized() -> bool:
     """Whether a ``torch.distributed`` process group is up: the one check funcgrad makes."""
     return dist.is_available() and dist.is_initialized()
+
+
+class GroupRef:
+    """A process group as the compiled step sees it: its name and size, read eagerly.
+
+    A compiled step that reads a ``ProcessGroup`` object (``dist.group.WORLD``, or the
+    group the user passed) keeps it alive for the life of the process, on torch 2.13
+    and 2.14 alike, even after ``torch._dynamo.reset()``: ``destroy_process_group``
+    then frees nothing, gloo's threads (and rank 0's store) run on into interpreter
+    exit, where a gloo thread that takes the GIL during finalization aborts the
+    process ("terminate called without an active exception", SIGABRT, after all the
+    work is done). The functional collectives take the group's name instead, so the
+    traced code reads only a string. The name and size are read outside the trace
+    (``refresh``, called from ``init`` and on every eager call); a trace that finds
+    none reads them itself (correct, and pins the group as before)."""
+
+    def __init__(self, group: Any) -> None:
+        # A weak reference: torch.distributed holds a live group; funcgrad's state
+        # classes (module-level, for pickling) must not outlive it with it.
+        self._group: Callable[[], Any] | None = None
+        if group is not None:
+            try:
+                self._group = weakref.ref(group)
+            except TypeError:  # not weakly referable (a stand-in): held as given
+                self._group = lambda: group
+        self.name: str | None = None
+        self.world = 0
+
+    @property
+    def group(self) -> Any:
+        """The group passed (``None``: the world), as ``torch.distributed`` takes it."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                f"funcgrad: the process group {self.name!r} this transformation (or "
+                "state) was built for no longer exists (destroy_process_group was "
+                "called). Build the transformation and its state again for the new "
+                "group: tx.init(params) after init_process_group / new_group."
+            )
+        return group
+
+    def refresh(self) -> None:
+        group = self.group
+        pg: Any = group if group is not None else dist.group.WORLD
+        self.name, self.world = pg.group_name, dist.get_world_size(group)
+
+    def resolved(self) -> tuple[str, int]:
+        """``(name, world size)``: read now in eager code, the cached ones in a trace."""
+        if self.name is None or not _compat.compiling():
+            self.refresh()
+        assert self.name is not None
+        return self.name, self.world
+
+    def process_group(self) -> Any:
+        """The group object, for eager callers that need one (a ``DeviceMesh``)."""
+        group = self.group
+        return group if group is not None else dist.group.WORLD
 
 
 def by_dtype(tree: Mapping[str, Tensor]) -> list[list[str]]:
@@ -86,10 +146,10 @@ def all_reduce_mean(
         tensor([-0.1000,  0.1000])
     """
     fc = _compat.functional_collectives()
+    ref = GroupRef(group)
 
     def reduce(grads: Params) -> Params:
-        pg: Any = group if group is not None else dist.group.WORLD
-        world = dist.get_world_size(group)
+        pg, world = ref.resolved()
         if not bucket:
             return {k: fc.all_reduce(g, "sum", pg) / world for k, g in grads.items()}
         out: Params = {}
@@ -101,7 +161,8 @@ def all_reduce_mean(
         return {k: out[k] for k in grads}
 
     def init(params: Params) -> EmptyState:
-        _check_initialized(noop_if_not_initialized)
+        if _check_initialized(noop_if_not_initialized):
+            ref.refresh()
         return EmptyState()
 
     def update(grads: Params, state: State, params: Params | None = None) -> tuple[Params, State]:

@@ -475,7 +475,7 @@ def checkpoint_view(state: ShardedState) -> State:
     _, leaves, spec = flatten(state.inner)
     if len(leaves) != len(layout.whole):
         raise ValueError("fg.state_dict: the ShardedState does not match its layout.")
-    mesh = DeviceMesh.from_group(ranks.pg, layout.device.type)
+    mesh = DeviceMesh.from_group(ranks.ref.process_group(), layout.device.type)
     saved = _saved_chunks if isinstance(ranks, Chunks) else _saved_rows
     out: list[Any] = []
     for leaf, whole, name in zip(leaves, layout.whole, layout.names, strict=True):
@@ -553,12 +553,40 @@ def contains_sharded(tree: Any) -> bool:
     return False
 
 
+def _whole(x: Any) -> Tensor:
+    """``x.full_tensor()`` for a DTensor split by rows (``Shard(0)``) or replicated on
+    a 1-D mesh (what fg.state_dict writes), gathered without a DTensor op: those
+    enter torch's sharding caches, which keep the mesh and its process group alive
+    after ``destroy_process_group`` (docs/distributed.md, "At exit"). Other layouts
+    go through ``full_tensor``. Collective."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    local = x.to_local()
+    if x.device_mesh.ndim != 1 or len(x.placements) != 1:
+        return x.full_tensor()
+    (placement,) = x.placements
+    if isinstance(placement, Replicate):
+        return local
+    if not (isinstance(placement, Shard) and placement.dim == 0 and x.ndim > 0):
+        return x.full_tensor()
+    world = x.device_mesh.size()
+    rows = -(-x.shape[0] // world)  # torch.chunk's: the last ranks may hold fewer
+    mine = max(0, min(rows, x.shape[0] - x.device_mesh.get_local_rank() * rows))
+    if local.shape[0] != mine:  # on every rank alike: the same shape, the same split
+        return x.full_tensor()
+    padded = local.new_zeros((rows, *x.shape[1:]))
+    padded[: local.shape[0]] = local
+    every = local.new_empty((rows * world, *x.shape[1:]))
+    dist.all_gather_single(every, padded.contiguous(), group=x.device_mesh.get_group())
+    return every[: x.shape[0]].clone()
+
+
 def full_tensors(tree: Any) -> Any:
     """Replace every ``DTensor`` in a nested dict by its whole tensor (collective)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tree, DTensor):
-        return tree.full_tensor()
+        return _whole(tree)
     if isinstance(tree, Mapping):
         return {k: full_tensors(v) for k, v in tree.items()}
     return tree

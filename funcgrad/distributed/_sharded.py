@@ -56,7 +56,7 @@ from ..core._base import (
 from ..core._compose import refuse_transforms
 from ..core._tree import flatten
 from ..rules import _rule_base as _rb
-from ._all_reduce import by_dtype, initialized
+from ._all_reduce import GroupRef, by_dtype, initialized
 
 T = TypeVar("T")
 
@@ -170,10 +170,17 @@ class _Group:
     protocol of ``_rule_base.Shards``); subclasses say which entries a rank holds."""
 
     def __init__(self, group: Any) -> None:
-        self.group = group
-        self.pg: Any = group if group is not None else dist.group.WORLD
+        ref = GroupRef(group)
+        ref.refresh()  # made eagerly, in init: the traced code reads the name alone
+        self.ref = ref
+        self.pg: str = ref.name  # type: ignore[assignment]
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+
+    @property
+    def group(self) -> Any:
+        """The group passed (``None``: the world), for eager ``torch.distributed`` calls."""
+        return self.ref.group
 
     # In a group of one rank every collective is the identity: none is issued (the
     # rank holds everything), so fg.sharded there costs what tx costs.
@@ -648,4 +655,4 @@ def sharded(
 
 def _key(layout: Layout) -> tuple[Any, ...]:
     r = layout.ranks
-    return (id(r.pg), r.rank, r.world, r.key(), tuple(layout.whole), layout.device)
+    return (r.pg, r.rank, r.world, r.key(), tuple(layout.whole), layout.device)

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import funcgrad as fg
 from funcgrad.core._tree import leaves_with_paths
 from workers import fsdp_workers as fw
+from workers.dist_workers import destroy
 
 
 def snapshot(m, opt) -> dict[str, torch.Tensor]:
@@ -107,4 +108,4 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         dist.barrier()
     finally:
         if not mode.startswith("kill"):
-            dist.destroy_process_group()
+            destroy(rank, out, check=False)  # FSDP2 (torch) keeps the group

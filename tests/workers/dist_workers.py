@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import socket
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -120,7 +122,20 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         }
         torch.save({"params": params, "stats": stats}, Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        destroy(rank, out)
+
+
+def destroy(rank: int, out: str, check: bool = True) -> None:
+    """``destroy_process_group``, with the worker's tx, state and (compiled) step still
+    alive, as at the end of a script; records whether it freed the group (else gloo's
+    threads run on into interpreter exit, a rare SIGABRT there: funcgrad/_compat.py).
+    :func:`spawn` checks the record. ``check=False`` where torch itself keeps the
+    group (FSDP2's DTensors: benchmarks/repro_pinned_group.py)."""
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    if check:
+        gc.collect()
+        (Path(out) / f"rank{rank}.freed").write_text(str(world() is None))
 
 
 def run_ranks(mode: str, out: Path, world: int = 2, deadline_s: float = 180.0) -> float:
@@ -138,7 +153,10 @@ def _traced(rank: int, fn, *args) -> None:
 
 def spawn(fn, mode: str, out: Path, world: int, deadline_s: float) -> float:
     """``fn(rank, world, port, mode, out)`` on ``world`` spawned processes, waited for
-    with a hard deadline; a straggler is killed. Returns the seconds it took."""
+    with a hard deadline; a straggler is killed. Returns the seconds it took. Every
+    rank that recorded it (:func:`destroy`) must have freed its process group."""
+    for old in Path(out).glob("rank*.freed"):
+        old.unlink()
     ctx = mp.start_processes(
         _traced,
         args=(fn, world, free_port(), mode, str(out)),
@@ -156,4 +174,6 @@ def spawn(fn, mode: str, out: Path, world: int, deadline_s: float) -> float:
             if p.is_alive():
                 p.kill()
             p.join(5)
+    kept = sorted(f.stem for f in Path(out).glob("rank*.freed") if f.read_text() != "True")
+    assert not kept, f"destroy_process_group left the group alive on {kept} (mode {mode})"
     return time.monotonic() - t0

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import funcgrad as fg
+from workers.dist_workers import destroy
 
 D = torch.float64
 STEPS = 4
@@ -105,4 +106,4 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         torch.save(result, Path(out) / f"{mode}-{world}-rank{rank}.pt")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy(rank, out, check=False)  # FSDP2 (torch) keeps the group

@@ -23,7 +23,7 @@ import funcgrad as fg
 from funcgrad.distributed import _checkpoint as _shard_checkpoint
 from funcgrad.distributed import _sharded as _shard
 from funcgrad.rules import _rule_base
-from workers.dist_workers import spawn
+from workers.dist_workers import destroy, spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -415,7 +415,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         torch.save(result, Path(out) / f"{layout}-rank{rank}.pt")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy(rank, out)
 
 
 def run(mode: str, out: Path, world: int, deadline_s: float = 240.0) -> float:
