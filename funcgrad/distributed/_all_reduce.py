@@ -68,9 +68,8 @@ class GroupRef:
         return group
 
     def refresh(self) -> None:
-        group = self.group
-        pg: Any = group if group is not None else dist.group.WORLD
-        self.name, self.world = pg.group_name, dist.get_world_size(group)
+        pg = self.process_group()
+        self.name, self.world = pg.group_name, dist.get_world_size(pg)
 
     def resolved(self) -> tuple[str, int]:
         """``(name, world size)``: read now in eager code, the cached ones in a trace."""

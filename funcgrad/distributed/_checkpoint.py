@@ -553,12 +553,27 @@ def contains_sharded(tree: Any) -> bool:
     return False
 
 
+def copied_dtensor(x: Any) -> Any:
+    """A copy of a ``DTensor`` made on its local tensor, for fg.state_dict: a DTensor
+    op would enter torch's sharding caches, which keep the mesh, and so its process
+    group, alive after ``destroy_process_group`` (docs/distributed.md, "At exit")."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        x.to_local().detach().clone(),
+        x.device_mesh,
+        x.placements,
+        run_check=False,
+        shape=x.shape,
+        stride=x.stride(),
+    )
+
+
 def _whole(x: Any) -> Tensor:
     """``x.full_tensor()`` for a DTensor split by rows (``Shard(0)``) or replicated on
-    a 1-D mesh (what fg.state_dict writes), gathered without a DTensor op: those
-    enter torch's sharding caches, which keep the mesh and its process group alive
-    after ``destroy_process_group`` (docs/distributed.md, "At exit"). Other layouts
-    go through ``full_tensor``. Collective."""
+    a 1-D mesh (what fg.state_dict writes), gathered without a DTensor op (as
+    :func:`copied_dtensor` copies). Other layouts go through ``full_tensor``.
+    Collective."""
     from torch.distributed.tensor import Replicate, Shard
 
     local = x.to_local()
@@ -577,7 +592,7 @@ def _whole(x: Any) -> Tensor:
     padded = local.new_zeros((rows, *x.shape[1:]))
     padded[: local.shape[0]] = local
     every = local.new_empty((rows * world, *x.shape[1:]))
-    dist.all_gather_single(every, padded.contiguous(), group=x.device_mesh.get_group())
+    dist.all_gather_single(every, padded, group=x.device_mesh.get_group())
     return every[: x.shape[0]].clone()
 
 

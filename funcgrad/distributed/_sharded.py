@@ -175,7 +175,7 @@ class _Group:
         self.ref = ref
         self.pg: str = ref.name  # type: ignore[assignment]
         self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.world = ref.world
 
     @property
     def group(self) -> Any:

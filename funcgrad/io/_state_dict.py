@@ -25,6 +25,7 @@ from ..core._tree import flatten, names_mismatch
 from ..distributed._checkpoint import (
     checkpoint_view,
     contains_sharded,
+    copied_dtensor,
     full_tensors,
     whole_template,
 )
@@ -62,30 +63,14 @@ def _key(entry: optree.PyTreeEntry) -> str:
 
 def _plain_leaf(x: Any) -> Any:
     if isinstance(x, Tensor):
-        if hasattr(x, "placements"):  # a DTensor: copied without a DTensor op (below)
-            return _copied_dtensor(x)
+        if hasattr(x, "placements"):  # a DTensor: copied without a DTensor op
+            return copied_dtensor(x)
         return x.detach().clone()
     if x is None or isinstance(x, _PLAIN):
         return x
     raise TypeError(
         f"fg.state_dict: cannot store a {type(x).__name__} in a checkpoint; states hold "
         "tensors in NamedTuples, tuples and dicts."
-    )
-
-
-def _copied_dtensor(x: Any) -> Any:
-    """A copy of a ``DTensor`` made on its local tensor: a DTensor op would enter
-    torch's sharding caches, which keep the mesh, and so its process group, alive
-    after ``destroy_process_group`` (docs/distributed.md, "At exit")."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        x.to_local().detach().clone(),
-        x.device_mesh,
-        x.placements,
-        run_check=False,
-        shape=x.shape,
-        stride=x.stride(),
     )
 
 
