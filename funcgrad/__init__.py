@@ -23,6 +23,7 @@ from .core._base import identity as identity
 from .core._base import set_to_zero as set_to_zero
 from .core._base import stateless as stateless
 from .core._combine import ChainState as ChainState
+from .core._combine import ParamGroupsState as ParamGroupsState
 from .core._combine import PartitionState as PartitionState
 from .core._combine import chain as chain
 from .core._combine import named_chain as named_chain
@@ -46,11 +47,14 @@ from .optim._adagrad import adagrad as adagrad
 from .optim._adam import AdamState as AdamState
 from .optim._adam import adam as adam
 from .optim._adam import adamw as adamw
+from .optim._hparams import get_hyperparams as get_hyperparams
 from .optim._hparams import get_lr as get_lr
+from .optim._hparams import set_hyperparams as set_hyperparams
 from .optim._hparams import set_lr as set_lr
 from .optim._lion import LionState as LionState
 from .optim._lion import lion as lion
 from .optim._muon import MuonState as MuonState
+from .optim._param_groups import grouped as grouped
 from .optim._muon import muon as muon
 from .optim._rmsprop import RMSpropState as RMSpropState
 from .optim._rmsprop import rmsprop as rmsprop

@@ -2,22 +2,20 @@
 
 For loops and frameworks that already call ``loss.backward()`` and ``opt.step()``
 (LR schedulers, ``torch.amp.GradScaler``, Lightning's ``configure_optimizers``, Hugging
-Face ``Trainer(optimizers=...)``). ``step()`` reads the ``.grad`` of every trainable
-parameter, runs ``tx.update`` on the named gradients (rules, ``monitor``, the
-optimizer: what ``fg.make_step`` runs) and adds the updates to the parameters in place.
+Face ``Trainer``). ``step()`` reads the ``.grad`` of every parameter, runs ``tx.update``
+on the named gradients (rules, ``monitor``, the optimizer: what ``fg.make_step`` runs)
+and adds the updates to the parameters in place.
 
-The learning rate: every optimizer inside ``tx`` keeps its learning rate in its own
-state (``state.lr``: the float learning rate itself, or the factor of a schedule or a
-0-d tensor; funcgrad/optim/_hparams.py), and ``tx`` holds none: one ``tx`` may serve any
-number of ``fg.Optimizer`` s and ``fg.make_step`` s. ``fg.Optimizer`` has one param
-group, whose ``"lr"`` starts at the first optimizer's learning rate; before each step
-it writes ``group_lr * (own_lr / first_lr)`` into each optimizer's ``lr`` in *its own*
-state (exactly ``group_lr`` for the first), so a torch scheduler that writes
-``param_groups[0]["lr"]`` drives all of them, keeping their ratios. A 0-d tensor
-learning rate in ``tx`` becomes the group's ``"lr"`` itself (schedulers edit it in
-place, so ``torch.compile(opt.step)`` does not recompile). A funcgrad schedule inside
-``tx`` keeps deciding: then the group's ``"lr"`` starts at 1.0 and multiplies it (a
-torch scheduler scales the funcgrad schedule).
+Param groups are torch's: each group's keys override the hyperparameters ``tx``'s
+optimizers were built with, for the group's parameters (``fg.grouped`` builds one
+copy of each optimizer per group). Every hyperparameter lives in the optimizer
+states (funcgrad/optim/_hparams.py); before each step the values a scheduler or the
+user wrote into ``param_groups`` since the last step are written into the states of
+their group (``lr`` keeping each optimizer's ratio to the first one's); a key whose
+new value changes the update's structure (``amsgrad``, ``nesterov``, a
+``weight_decay`` or ``momentum`` turned on from zero) rebuilds that group's optimizer,
+its state carried over. After a step, a hyperparameter given to ``tx`` as a schedule
+shows its next value in the group.
 """
 
 from __future__ import annotations
@@ -28,45 +26,86 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .core import _flat as flat
-from .core._base import GradientTransformation, Params, State, learning_rates
+from .core._base import GradientTransformation, Params, State
+from .core._combine import ParamGroupsState
 from .core._tree import tree_map
 from .io._state_dict import load, state_dict
-from .optim._hparams import optimizer_states, with_optimizer_states
+from .optim._hparams import (
+    get_hyperparams,
+    is_optimizer_state,
+    is_schedule,
+    optimizer_states,
+    walk_states,
+)
+from .optim._param_groups import grouped, lr_ratios, optimizers_in
 
 _KEY = "funcgrad"
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+"""torch.optim's implementation flags: accepted in a param group, they pick how torch
+computes, never what; funcgrad computes the same either way."""
+_KNOWN = {
+    "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening",
+    "nesterov", "alpha", "centered", "lr_decay", "initial_accumulator_value",
+    "beta2_decay", "d", "ns_coefficients", "ns_steps", "adjust_lr_fn", "b1", "b2", "rho",
+    "lambd", "t0", "etas", "step_sizes", "momentum_decay", "decoupled_weight_decay",
+    "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size",
+    "line_search_fn", "mask", "eps_root",
+}  # fmt: skip
+"""Hyperparameter names of torch.optim's and funcgrad's optimizers: a group key among
+these that no optimizer in ``tx`` takes is an error (it would be ignored); any other
+key is the user's own, kept in the group as torch keeps it."""
 
 
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that runs the funcgrad transformation ``tx``.
 
     Args:
-        model_or_named_parameters: an ``nn.Module`` (its trainable parameters, in the
-            flat layout of ``fg.params(model)``), or ``model.named_parameters()``
-            (pairs ``(name, parameter)``; names are what rules and groups see).
+        params: what ``torch.optim`` takes: an ``nn.Module`` (its trainable
+            parameters, named as in ``named_parameters()``), ``model.named_parameters()``,
+            ``model.parameters()``, or a list of param-group dicts whose ``"params"``
+            hold parameters or ``(name, parameter)`` pairs and whose other keys
+            override ``tx``'s hyperparameters for the group (``lr``, ``betas``,
+            ``weight_decay``, ``momentum``, ``nesterov``, ``amsgrad``...).
         tx: the transformation, e.g. ``fg.chain(fg.per_group(rule, groups),
-            fg.adamw(lr=1e-3))``.
+            fg.adamw(lr=1e-3))``; its optimizers' arguments are the groups' defaults.
 
-    ``opt.tx_state`` is funcgrad's state (``opt.tx_state.inner_states[0]``,
-    ``state["monitor"].stats`` for a named chain); ``state_dict()`` holds it as plain
-    tensors (``torch.load(weights_only=True)``) beside the param group.
+    Names: rules and groups see each parameter by name. A parameter given without one
+    is named by its index in the optimizer (``"0"``, ``"1"``, ... across the groups in
+    order, as ``state_dict()`` numbers them), or by its name in the module when the
+    optimizer was built from one (``add_param_group`` of a module's parameters). A
+    ``tx`` whose rules name parameters (``fg.group_by_module(model)``) needs the names:
+    pass the model or ``named_parameters()``.
+
+    Parameters with ``requires_grad=False`` when given are left out (they are not
+    trained); to train them later, unfreeze them and ``add_param_group`` them
+    (progressive unfreezing), as their state starts there. A parameter listed twice is
+    an error.
+
+    ``param_groups[i]`` shows every hyperparameter of its group; writing one takes
+    effect at the next step. ``opt.tx_state`` is funcgrad's state (one optimizer state
+    per group when there are several: ``fg.get_hyperparams(opt.tx_state)``);
+    ``state_dict()`` holds it as plain tensors (``torch.load(weights_only=True)``)
+    beside the param groups.
 
     Examples:
         >>> import torch, funcgrad as fg
         >>> model = torch.nn.Linear(2, 1)
-        >>> groups = fg.group_by_module(model)
-        >>> opt = fg.Optimizer(model, fg.chain(fg.per_group(fg.rules.zero_fix(), groups),
-        ...                                    fg.adamw(lr=1e-2)))
-        >>> sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+        >>> opt = fg.Optimizer(
+        ...     [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}],
+        ...     fg.adamw(lr=1e-2, weight_decay=0.1),
+        ... )
+        >>> sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
         >>> model(torch.ones(3, 2)).sum().backward()
         >>> opt.step(); sched.step(); opt.zero_grad()
-        >>> int(opt.tx_state.inner_states[1].count), round(opt.param_groups[0]["lr"], 6)
-        (1, 0.00625)
+        >>> [round(g["betas"][0], 4) for g in opt.param_groups]  # OneCycleLR cycles beta1
+        [0.9496, 0.9496]
+        >>> [h["weight_decay"] for h in fg.get_hyperparams(opt.tx_state)]
+        [0.1, 0.0]
     """
 
     def __init__(
         self,
-        model_or_named_parameters: nn.Module | Iterable[tuple[str, nn.Parameter]],
+        params: nn.Module | Iterable[Any],
         tx: GradientTransformation,
     ) -> None:
         who = "fg.Optimizer"
@@ -75,19 +114,129 @@ class Optimizer(torch.optim.Optimizer):
                 f"{who}: tx must be a GradientTransformation (e.g. fg.adamw()), got "
                 f"{type(tx).__name__}."
             )
-        named = _named(model_or_named_parameters, who)
-        self._core = _Core(tx, named)
-        super().__init__([p for _, p in named], {"lr": self._core.start})
+        self._tx = tx
+        self._core: _Core | None = None
+        self._names: set[str] = set()
+        self._unnamed = False
+        self._frozen: list[tuple[str, Tensor]] = []
+        self._module: dict[int, str] = {}
+        if isinstance(params, nn.Module):
+            self._module = {id(p): n for n, p in params.named_parameters()}
+            named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+            if not named:
+                raise ValueError(
+                    f"{who}: the model has no trainable parameters (requires_grad=True)."
+                )
+            params = [{"params": named}]
+        defaults = _defaults(tx)
+        super().__init__(params, defaults)  # type: ignore[arg-type]
+        self._core = _Core(self)
 
     @property
     def tx(self) -> GradientTransformation:
-        """The transformation this optimizer runs."""
-        return self._core.tx
+        """The transformation this optimizer runs (as given: without the param groups;
+        ``opt.grouped_tx`` is the one that runs)."""
+        return self._tx
+
+    @property
+    def grouped_tx(self) -> GradientTransformation:
+        """``fg.grouped(tx, param groups)``: the transformation each step runs."""
+        assert self._core is not None
+        return self._core.full
 
     @property
     def tx_state(self) -> State:
-        """funcgrad's state of ``tx`` (e.g. ``opt.tx_state["monitor"].stats``)."""
+        """funcgrad's state (e.g. ``opt.tx_state["monitor"].stats``), holding the param
+        groups' values as the next step will use them."""
+        assert self._core is not None
+        self._core.sync(self.param_groups)
         return self._core.state
+
+    # ---- param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim``'s: keys it does not give take the
+        optimizer's defaults (``tx``'s arguments); its parameters start with a fresh
+        state (step 0) while the others go on, as in torch. Progressive unfreezing:
+        ``opt.add_param_group({"params": model.backbone.parameters(), "lr": 1e-4})``."""
+        who = "fg.Optimizer.add_param_group"
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        group = dict(param_group)
+        if "params" not in group:
+            raise KeyError(f"{who}: a param group needs 'params'.")
+        pairs = self._pairs(group["params"], len(self.param_groups))
+        self._check_keys(group)
+        group["params"] = [p for _, p in pairs]
+        group["param_names"] = [n for n, _ in pairs]
+        if not pairs:
+            raise ValueError(
+                f"{who}: param group {len(self.param_groups)} has no trainable parameters "
+                "(requires_grad=True)."
+            )
+        super().add_param_group(group)
+        self._names.update(n for n, _ in pairs)
+        param_group.update(self.param_groups[-1])
+        if self._core is not None:  # after construction: the new group joins the state
+            self._core.regroup()
+
+    def _pairs(self, params: Any, index: int) -> list[tuple[str, Tensor]]:
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but "
+                "the ordering of tensors in sets will change between runs. Please use a "
+                "list instead."
+            )
+        items = list(params.named_parameters() if isinstance(params, nn.Module) else params)
+        pairs: list[tuple[str, Tensor]] = []
+        seen: dict[int, str] = {}
+        taken = sum(len(g["params"]) for g in self.param_groups)
+        for item in items:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                name, p = item
+            elif isinstance(item, Tensor):
+                p = item
+                name = self._module.get(id(p), "")
+                if not name:
+                    name, self._unnamed = str(taken + len(pairs)), True
+            else:
+                raise TypeError(
+                    "fg.Optimizer: params hold parameters, (name, parameter) pairs or "
+                    f"param-group dicts; got {type(item).__name__} in group {index}."
+                )
+            if not isinstance(p, Tensor):
+                raise TypeError(
+                    "optimizer can only optimize Tensors, but one of the params is "
+                    + torch.typename(p)
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"fg.Optimizer: a parameter is listed twice in param group {index} (as "
+                    f"'{seen[id(p)]}' and '{name}'); list each parameter once (torch.optim "
+                    "deprecates this: it would step the parameter twice)."
+                )
+            seen[id(p)] = name
+            if not p.requires_grad:
+                self._frozen.append((name, p))
+                continue
+            if name in self._names or any(name == n for n, _ in pairs):
+                raise ValueError(
+                    f"fg.Optimizer: two parameters are named '{name}'; names must be unique "
+                    "across the param groups (they name the state)."
+                )
+            pairs.append((name, p))
+        return pairs
+
+    def _check_keys(self, group: Mapping[str, Any]) -> None:
+        takes = set(self.defaults)
+        wrong = sorted(k for k in group if k in _KNOWN and k not in takes)
+        if wrong:
+            raise KeyError(
+                f"fg.Optimizer: param group key(s) {wrong} are hyperparameters no optimizer "
+                f"in tx takes (its hyperparameters: {sorted(takes)}); they would be ignored. "
+                "Build tx with an optimizer that has them, or drop the key(s)."
+            )
 
     # ---- the step
     @torch.no_grad()
@@ -102,16 +251,18 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group = self.param_groups[0]
-        self._core.run(group["lr"], group["params"])
+        assert self._core is not None
+        self._core.run(self.param_groups)
         return loss
 
     # ---- state
     def state_dict(self) -> dict[str, Any]:
         """torch's layout (``state``, ``param_groups``) with funcgrad's state as plain
         nested tensors under ``"funcgrad"``: loadable with ``weights_only=True``."""
+        assert self._core is not None
+        self._core.sync(self.param_groups)
         sd = super().state_dict()
-        sd[_KEY] = {"names": list(self._core.names), "state": state_dict(self.tx_state)}
+        sd[_KEY] = {"names": self._core.names(), "state": state_dict(self.tx_state)}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -119,8 +270,9 @@ class Optimizer(torch.optim.Optimizer):
         another model's or transformation's state is an error that changes nothing."""
         self._commit(self._prepare(state_dict))
 
-    def _prepare(self, state_dict: Any) -> tuple[State, dict[str, Any]]:
-        """Check ``state_dict`` in full; the new funcgrad state and torch's part."""
+    def _prepare(self, state_dict: Any) -> tuple[Any, ...]:
+        """Check ``state_dict`` in full, changing nothing; what :meth:`_commit` adopts."""
+        assert self._core is not None
         saved = state_dict.get(_KEY) if isinstance(state_dict, Mapping) else None
         if not isinstance(saved, Mapping) or "state" not in saved:
             raise ValueError(
@@ -128,14 +280,13 @@ class Optimizer(torch.optim.Optimizer):
                 "fg.Optimizer.state_dict() (it has no 'funcgrad' entry). A torch.optim "
                 "optimizer's state converts with fg.state_from_torch."
             )
-        names = self._core.names
+        names = self._core.names()
         if list(saved.get("names", [])) != names:
             raise ValueError(
                 "fg.Optimizer.load_state_dict: the state dict was saved for parameters "
                 f"{list(saved.get('names', []))[:6]}..., not this optimizer's "
                 f"{names[:6]}...; build the model and the optimizer as when saving."
             )
-        new_state = load(self.tx, self._core.params, saved["state"], report_lr=False)
         torch_part = {k: v for k, v in state_dict.items() if k != _KEY}
         groups = torch_part.get("param_groups")
         if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
@@ -143,17 +294,59 @@ class Optimizer(torch.optim.Optimizer):
         ]:
             raise ValueError(
                 "fg.Optimizer.load_state_dict: the state dict's param groups do not match "
-                "this optimizer's (one group of all trainable parameters)."
+                "this optimizer's (their number and sizes); build it as when saving."
             )
-        return new_state, torch_part
+        # The saved groups' values (a checkpoint from before every hyperparameter was
+        # state holds only lr): the structure to load into, then the state itself.
+        values = [
+            {**g, **{k: v for k, v in saved_g.items() if k in g and k != "params"}}
+            for g, saved_g in zip(self.param_groups, groups, strict=True)
+        ]
+        full = self._core.build(values)
+        new_state = load(full, self._core.params(), saved["state"], report_lr=False)
+        return full, new_state, torch_part
 
-    def _commit(self, prepared: tuple[State, dict[str, Any]]) -> None:
-        new_state, torch_part = prepared
+    def _commit(self, prepared: tuple[Any, ...]) -> None:
+        assert self._core is not None
+        full, new_state, torch_part = prepared
         super().load_state_dict(torch_part)
-        self._core.state = new_state
+        self._core.adopt(full, new_state, self.param_groups)
 
     def __repr__(self) -> str:
-        return f"fg.Optimizer({len(self._core.names)} parameters, lr={self.param_groups[0]['lr']})"
+        assert self._core is not None
+        lrs = [g["lr"] for g in self.param_groups if "lr" in g]
+        return f"fg.Optimizer({len(self._core.names())} parameters, lr={lrs})"
+
+
+def _defaults(tx: GradientTransformation) -> dict[str, Any]:
+    """The param groups' defaults: every argument of every optimizer in ``tx`` (the
+    first one's value where two share a name), a tensor cloned (each optimizer keeps
+    its own, as ``tx`` may serve several)."""
+    out: dict[str, Any] = {}
+    for info in optimizers_in(tx):
+        for k, v in (info.kwargs or {}).items():
+            if k not in out:
+                out[k] = v.detach().clone() if isinstance(v, Tensor) else v
+    if not out:  # a transformation built by hand: the hyperparameters its state holds
+        try:
+            held = get_hyperparams(tx.init({}))
+        except Exception:
+            held = []
+        for h in held:
+            for k, v in h.items():
+                out.setdefault(k, v)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
 
 
 class _Core:
@@ -161,116 +354,260 @@ class _Core:
     ``torch.compile(opt.step)`` dynamo drops attribute writes on an optimizer (torch
     2.13), and the new state would be lost; on a plain object they are kept."""
 
-    def __init__(self, tx: GradientTransformation, named: list[tuple[str, nn.Parameter]]) -> None:
-        self.tx = tx
-        self.names = [n for n, _ in named]
-        # The state in the flat layout where the parameters allow it (a few buffers per
-        # dtype, _flat.Layout.for_tensors: the elementwise optimizers then run over whole
-        # buffers). The module is
-        # left alone: each step reads the parameters themselves (the optimizer packs
-        # them), because under torch.compile(opt.step) an in-place write to a tensor
-        # that aliases a graph input is lost (torch 2.13, aot_autograd).
-        data = {n: p.detach() for n, p in named}
-        if all(flat._flattenable(p) for _, p in named):
-            self.params: Params = flat.pack(data, flat.Layout.for_tensors(data))
-        else:
-            self.params = data
-        self.dtensors = any(hasattr(p, "placements") for _, p in named)  # FSDP2
-        self.state: State = self.reduced(tx.init(self.params))
-        self.start, self._ratios, self._live = _group_lr(tx, self.state)
+    def __init__(self, owner: Optimizer) -> None:
+        self.owner = owner
+        self.tx = owner.tx
+        self.infos = optimizers_in(self.tx)
+        self.ratios = lr_ratios(self.infos)
+        self.takes = set(owner.defaults)
+        self.dtensors = False
+        self.scheduled = {
+            k for info in self.infos for k, v in (info.kwargs or {}).items()
+            if is_schedule(v) or (isinstance(v, tuple) and any(map(is_schedule, v)))
+        }  # fmt: skip
+        self.full: GradientTransformation = self.tx
+        self.state: State = None
+        self.regroup()
+
+    # what the groups hold
+    def names(self) -> list[str]:
+        return [n for g in self.owner.param_groups for n in g["param_names"]]
+
+    def params(self) -> Params:
+        return {
+            n: p.detach()
+            for g in self.owner.param_groups
+            for n, p in zip(g["param_names"], g["params"], strict=True)
+        }
+
+    def build(self, groups: list[dict[str, Any]]) -> GradientTransformation:
+        """``fg.grouped(tx, groups)`` with each group's keys that differ from the defaults
+        (a key left at its default keeps each optimizer's own value: two optimizers in
+        ``tx`` may have other ``eps`` or ``weight_decay``); tensors always (the state
+        holds the group's own)."""
+        shown = getattr(self, "shown", [])
+        defaults = self.owner.defaults
+
+        def given(i: int, k: str, v: Any) -> bool:
+            if k not in self.takes or k in _IMPLEMENTATION:
+                return False
+            if k in self.scheduled and i < len(shown) and _same(v, shown[i].get(k)):
+                return False  # a schedule's value shown in the group: it keeps the schedule
+            return isinstance(v, Tensor) or not _same(v, defaults.get(k))
+
+        keys = [{k: v for k, v in g.items() if given(i, k, v)} for i, g in enumerate(groups)]
+        if not self.infos:
+            if len(groups) > 1 or any(not _same(v, self.owner.defaults[k]) for k, v in keys[0].items()):
+                raise TypeError(
+                    "fg.Optimizer: tx holds no funcgrad optimizer (fg.adam, fg.sgd, ...) whose "
+                    "hyperparameters param groups could set; use one param group."
+                )
+            return self.tx
+        spec = [{"params": g["param_names"], **k} for g, k in zip(groups, keys, strict=True)]
+        try:
+            return grouped(self.tx, spec)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"fg.Optimizer: {err}") from None
+
+    def regroup(self) -> None:
+        """Build the transformation for the groups as they are, and its state: a fresh
+        state for parameters new to it, the rest carried over."""
+        groups = self.owner.param_groups
+        full = self.build(groups)
+        params = self.params()
+        self.dtensors = any(hasattr(p, "placements") for p in params.values())  # FSDP2
+        try:
+            fresh = full.init(params)
+        except KeyError as err:
+            if self.owner._unnamed:
+                raise KeyError(
+                    f"fg.Optimizer: tx names parameters the optimizer does not know ({err}). "
+                    "The parameters were given without names (model.parameters()), so they "
+                    "are called '0', '1', ...: pass the model itself, fg.Optimizer(model, "
+                    "tx), or model.named_parameters()."
+                ) from None
+            raise
+        state = fresh if self.state is None else carry(self.state, fresh, self.scheduled)
+        self.adopt(full, self.reduced(state), groups)
+
+    def adopt(self, full: GradientTransformation, state: State, groups: list[dict[str, Any]]) -> None:
+        self.full, self.state = full, state
+        self.shown = [dict(g) for g in groups]
+        self.built = [dict(g) for g in groups]
+        self.pull(groups)
 
     def reduced(self, state: State) -> State:
         return tree_map(_reduced, state) if self.dtensors else state
 
-    def _with_lr(self, lr: Any) -> State:
-        """This optimizer's state with the group's ``lr`` written into each optimizer's
-        ``lr`` field (``lr * ratio``; under a tensor first learning rate, the factor
-        ``lr / that tensor``, which is 1.0 while the group's lr is the tensor itself)."""
-        if not self._ratios:
-            return self.state
-        old = optimizer_states(self.state)
-        if self._live is not None:
-            scale: Any = 1.0 if lr is self._live else lr / self._live
-        else:
-            scale = lr
-        new = []
-        for s, ratio in zip(old, self._ratios, strict=True):
-            value = scale * ratio if ratio != 1.0 else scale
-            t = s.lr  # type: ignore[attr-defined]
-            if isinstance(value, Tensor):
-                value = value.detach().to(device=t.device, dtype=torch.float64).reshape(())
-            else:
-                value = torch.tensor(float(value), dtype=torch.float64, device=t.device)
-            new.append(s._replace(lr=value))  # type: ignore[attr-defined]
-        return with_optimizer_states(self.state, new)
+    # the values the groups hold, into the state
+    def sync(self, groups: list[dict[str, Any]]) -> None:
+        if len(groups) != len(self.shown):  # torch.optim code appended a group itself
+            raise ValueError(
+                "fg.Optimizer: param_groups changed length outside add_param_group; add "
+                "groups with opt.add_param_group({...})."
+            )
+        changed: list[dict[str, Any]] = []
+        rebuild = False
+        for g, shown, built in zip(groups, self.shown, self.built, strict=True):
+            new = {
+                k: v for k, v in g.items()
+                if k in self.takes and k not in _IMPLEMENTATION and not _same(v, shown.get(k))
+            }  # fmt: skip
+            changed.append(new)
+            rebuild = rebuild or any(self.structural(k, v, built.get(k)) for k, v in new.items())
+        if not any(changed):
+            return
+        if rebuild:
+            self.regroup()
+            return
+        for i, new in enumerate(changed):
+            for k, v in new.items():
+                self.push(i, k, v)
+            self.shown[i].update(new)
 
-    def run(self, lr: Any, parameters: list[Tensor]) -> None:
-        # Read, never copied: under torch.compile(opt.step) a tensor written in place and
-        # then read through another reference is read stale (torch 2.13). A tensor lr,
-        # edited in place by a scheduler, compiles once; a float lr is a constant of the
-        # graph (a new value recompiles, as in torch.optim).
-        self.state = self._with_lr(lr)
-        grads = self._grads([p.grad for p in parameters])
-        params = dict(zip(self.names, parameters, strict=True))
-        updates, state = self.tx.update(grads, self.state, params)
+    def structural(self, key: str, value: Any, built: Any) -> bool:
+        """Whether a group's new value for ``key`` changes what its optimizers compute
+        (not only a value in their states): another bool or option, a term turned on
+        from zero, or a hyperparameter an optimizer holds no state for."""
+        return any(
+            key in (info.kwargs or {}) and key not in info.hyper and not _same(value, built)
+            for info in self.infos
+        )
+
+    def push(self, group: int, key: str, value: Any) -> None:
+        index = {"n": -1}
+        ratios = self.ratios or [1.0]
+
+        def write(s: Any, i: int) -> Any:
+            if i != group or s.hyperparams is None or key not in s.hyperparams:
+                return s
+            index["n"] += 1
+            ratio = ratios[index["n"] % len(ratios)] if key == "lr" else 1.0
+            return s._replace(hyperparams={**s.hyperparams, key: _as_entry(value, ratio, s, key)})
+
+        self.state = walk_states(self.state, write)
+
+    def pull(self, groups: list[dict[str, Any]]) -> None:
+        """Show each scheduled hyperparameter's next value in the groups."""
+        if not self.scheduled:
+            return
+        states: dict[int, Any] = {}
+
+        def first(s: Any, i: int) -> Any:
+            states.setdefault(i, s)
+            return s
+
+        walk_states(self.state, first)
+        for i, g in enumerate(groups):
+            s = states.get(i)
+            if s is None or s.hyperparams is None:
+                continue
+            for k in self.scheduled:
+                if k in s.hyperparams and k in g:
+                    value = get_hyperparams(s)[0][k]
+                    g[k] = value
+                    self.shown[i][k] = value
+
+    def run(self, groups: list[dict[str, Any]]) -> None:
+        self.sync(groups)
+        self._check_frozen()
+        parameters = [p for g in groups for p in g["params"]]
+        names = [n for g in groups for n in g["param_names"]]
+        grads = _grads(names, parameters)
+        params = dict(zip(names, parameters, strict=True))
+        updates, state = self.full.update(grads, self.state, params)
         self.state = self.reduced(state)
-        us = [updates[n] for n in self.names]
+        us = [updates[n] for n in names]
         us = [
             u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
         ]
         torch._foreach_add_(parameters, us)
+        self.pull(groups)
 
-    def _grads(self, grads: list[Tensor | None]) -> Params:
-        out: dict[str, Tensor] = {}
-        for name, g in zip(self.names, grads, strict=True):
-            if g is None:
+    def _check_frozen(self) -> None:
+        for name, p in self.owner._frozen:
+            if p.requires_grad and p.grad is not None:
                 raise ValueError(
-                    f"fg.Optimizer.step: '{name}' has no .grad (it took no part in the loss, "
-                    "or zero_grad ran after backward). funcgrad updates all trainable "
-                    "parameters as one state; freeze a parameter that is not trained "
-                    "(p.requires_grad_(False)) before building the optimizer."
+                    f"fg.Optimizer.step: '{name}' was frozen (requires_grad=False) when it was "
+                    "given to the optimizer, which left it out, and has a gradient now. Add "
+                    "it when you unfreeze it: opt.add_param_group({'params': [...]}) "
+                    "(its optimizer state starts there, as in torch)."
                 )
-            if g.is_sparse:
-                raise TypeError(
-                    f"fg.Optimizer.step: '{name}' has a sparse gradient; funcgrad's rules "
-                    "and optimizers need dense ones (nn.Embedding(sparse=False))."
-                )
-            out[name] = g
-        return out
 
 
-def _named(
-    source: nn.Module | Iterable[tuple[str, nn.Parameter]], who: str
-) -> list[tuple[str, nn.Parameter]]:
-    if isinstance(source, nn.Module):
-        pairs = list(source.named_parameters())
-    else:
-        pairs = list(source)
-        bad = [type(x).__name__ for x in pairs if not (isinstance(x, tuple) and len(x) == 2)]
-        if bad:
-            raise TypeError(
-                f"{who}: expected an nn.Module or model.named_parameters() (pairs (name, "
-                f"parameter)), got items of type {bad[0]}; rules and groups need names."
+def _as_entry(value: Any, ratio: float, s: Any, key: str) -> Any:
+    like = s.count
+    if isinstance(value, (tuple, list)):
+        old = s.hyperparams[key]
+        return tuple(
+            o if v is None else _scalar_entry(v, 1.0, like) for o, v in zip(old, value, strict=True)
+        )
+    return _scalar_entry(value, ratio, like)
+
+
+def _scalar_entry(value: Any, ratio: float, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        t = value.detach().reshape(())
+        return t if ratio == 1.0 else t * ratio
+    return torch.tensor(float(value) * ratio, dtype=torch.float64, device=like.device)
+
+
+def _grads(names: list[str], parameters: list[Tensor]) -> Params:
+    out: dict[str, Tensor] = {}
+    for name, p in zip(names, parameters, strict=True):
+        g = p.grad
+        if g is None:
+            raise ValueError(
+                f"fg.Optimizer.step: '{name}' has no .grad (it took no part in the loss, "
+                "or zero_grad ran after backward). funcgrad updates all trainable "
+                "parameters as one state; freeze a parameter that is not trained "
+                "(p.requires_grad_(False)) before building the optimizer."
             )
-    out = [(n, p) for n, p in pairs if p.requires_grad]
-    if not out:
-        raise ValueError(f"{who}: the model has no trainable parameters (requires_grad=True).")
+        if g.is_sparse:
+            raise TypeError(
+                f"fg.Optimizer.step: '{name}' has a sparse gradient; funcgrad's rules "
+                "and optimizers need dense ones (nn.Embedding(sparse=False))."
+            )
+        out[name] = g
     return out
 
 
-def _group_lr(tx: GradientTransformation, state: State) -> tuple[Any, list[float], Any]:
-    """The group's starting ``"lr"``, each optimizer's ratio to the first one's
-    (``own_lr / first_lr``, read from ``tx.init``'s state: exactly 1.0 for the first),
-    and the first optimizer's 0-d tensor learning rate if it has one (the group's lr is
-    then that tensor, and the first optimizer's factor stays 1.0 while it is)."""
-    own = [float(s.lr) for s in optimizer_states(state)]  # type: ignore[attr-defined]
-    if not own:
-        return 0.0, [], None
-    built = learning_rates(tx)
-    live = built[0] if len(built) == len(own) and isinstance(built[0], Tensor) else None
-    base = own[0] or 1.0  # a first lr of 0: the others keep their own values
-    ratios = [o / base for o in own]
-    return (live if live is not None else own[0]), ratios, live
+def carry(old: Any, new: Any, scheduled: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
+    """``new`` (a fresh ``init``) with every part ``old`` also has taken from ``old``: the
+    same optimizer states per group and per parameter name, rules' states, counters.
+    A tensor whose shape or dtype differs stays new. Hyperparameters are the new ones
+    (built from the groups' values as they are now), but for those ``tx`` gave as
+    schedules (``scheduled``), whose values follow the step count."""
+    if is_optimizer_state(new) and type(old) is type(new):
+        hp = dict(new.hyperparams or {})
+        for k in scheduled:
+            if k in hp and k in (old.hyperparams or {}):
+                hp[k] = old.hyperparams[k]
+        fields = [carry(o, n, scheduled) for o, n in zip(old[:-1], new[:-1], strict=True)]
+        return type(new)(*fields, hp)
+    if isinstance(new, ParamGroupsState):
+        olds = old.inner_states if isinstance(old, ParamGroupsState) else (old,)
+        return ParamGroupsState(
+            tuple(
+                carry(olds[i], n, scheduled) if i < len(olds) else n
+                for i, n in enumerate(new.inner_states)
+            )
+        )
+    if isinstance(old, ParamGroupsState):
+        return carry(old.inner_states[0], new, scheduled)
+    if type(new) is dict and isinstance(old, Mapping):
+        if hasattr(old, "views"):  # a Flat: by name
+            old = dict(old.views())
+        return {k: carry(old[k], v, scheduled) if k in old else v for k, v in new.items()}
+    if isinstance(new, tuple) and type(old) is type(new):
+        items = [carry(o, n, scheduled) for o, n in zip(old, new, strict=True)]
+        return type(new)(*items) if hasattr(new, "_fields") else type(new)(items)
+    if isinstance(new, list) and isinstance(old, list) and len(old) == len(new):
+        return [carry(o, n, scheduled) for o, n in zip(old, new, strict=True)]
+    if isinstance(new, Tensor) and isinstance(old, Tensor):
+        same = old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+        return old if same else new
+    return new
 
 
 def _reduced(t: Any) -> Any:
@@ -284,3 +621,6 @@ def _reduced(t: Any) -> Any:
     from torch.distributed.tensor import Replicate
 
     return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
+
+
+__all__ = ["Optimizer", "optimizer_states"]

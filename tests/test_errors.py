@@ -183,7 +183,7 @@ CASES = [
         ValueError,
         lambda: fg.adafactor(eps=1e-3),
     ),
-    ("Invalid eps[1]: None; expected a float.", TypeError, lambda: fg.adafactor(eps=(None, None))),
+    ("Invalid eps[1]: None. Use a float", TypeError, lambda: fg.adafactor(eps=(None, None))),
     ("beta2_decay should be <= 0 but is: 0.5", ValueError, lambda: fg.adafactor(beta2_decay=0.5)),
     ("Clipping threshold d should be >= 1 but is: 0.5", ValueError, lambda: fg.adafactor(d=0.5)),
     (
@@ -441,7 +441,7 @@ CASES = [
     # (message fragment, exception type, trigger)
     ("Invalid learning rate: -1.0", ValueError, lambda: fg.adam(lr=-1.0)),
     (
-        "Invalid learning rate: a tensor lr must be 0-d",
+        "Invalid learning rate: a tensor lr must hold one value (0-d), got shape (2,)",
         ValueError,
         lambda: fg.adam(lr=torch.ones(2)),
     ),
@@ -459,12 +459,12 @@ CASES = [
     (
         "Invalid beta parameter at index 0: 1.5",
         ValueError,
-        lambda: fg.adam(betas=(torch.tensor(1.5, dtype=torch.float64), 0.9)),
+        lambda: fg.adam(betas=(torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.9))),
     ),
     (
-        "Invalid beta parameter at index 0: a tensor beta must be 0-d, got shape (2,).",
+        "Invalid beta parameter at index 0: a tensor beta must hold one value (0-d), got shape (2,).",
         ValueError,
-        lambda: fg.adam(betas=(torch.ones(2), 0.9)),
+        lambda: fg.adam(betas=(torch.ones(2), torch.tensor(0.9))),
     ),
     (
         "Invalid learning rate: a tensor lr must be floating point (float64 matches "

@@ -150,15 +150,19 @@ def test_partition_keeps_each_optimizers_ratio_to_the_group_lr():
 
 
 def test_set_lr_and_get_lr():
-    tx = fg.partition({"w": fg.adam(lr=1e-2), "b": fg.sgd(lr=lambda c: 0.1)}, {"w": "w", "b": "b"})
+    """get_lr reads the value the next step uses (a schedule's value too, never a
+    factor); set_lr writes it; a schedule goes on from the step after."""
+    tx = fg.partition({"w": fg.adam(lr=1e-2), "b": fg.sgd(lr=lambda c: 0.1 / (1 + c))}, {"w": "w", "b": "b"})
     params = {"w": torch.zeros(2, dtype=D), "b": torch.zeros(1, dtype=D)}
     state = tx.init(params)
-    assert fg.get_lr(state) == [1e-2, 1.0]  # a schedule's field is its factor
+    assert fg.get_lr(state) == [1e-2, 0.1]
     new = fg.set_lr(state, [1e-3, 0.5])
-    assert fg.get_lr(new) == [1e-3, 0.5] and fg.get_lr(state) == [1e-2, 1.0]
-    updates, _ = tx.update({"w": torch.ones(2, dtype=D), "b": torch.ones(1, dtype=D)}, new, params)
+    assert fg.get_lr(new) == [1e-3, 0.5] and fg.get_lr(state) == [1e-2, 0.1]
+    grads = {"w": torch.ones(2, dtype=D), "b": torch.ones(1, dtype=D)}
+    updates, after = tx.update(grads, new, params)
     torch.testing.assert_close(updates["w"], torch.full((2,), -1e-3, dtype=D))
-    torch.testing.assert_close(updates["b"], torch.full((1,), -0.05, dtype=D))
+    torch.testing.assert_close(updates["b"], torch.full((1,), -0.5, dtype=D))
+    assert fg.get_lr(after) == [1e-3, 0.05]  # the schedule's value for the second step
     with pytest.raises(
         ValueError,
         match=re.escape("fg.set_lr: the state holds 2 optimizer states, got 1 learning rates"),
@@ -176,7 +180,9 @@ def test_a_checkpoint_restores_its_lr_and_reports_a_mismatch(tmp_path):
     fg.save_checkpoint(tmp_path / "a.ckpt", params, state)
     with pytest.warns(
         UserWarning,
-        match=re.escape("learning rate at state.inner_states[1].lr is 0.005, tx's is 0.01"),
+        match=re.escape(
+            "hyperparameter at state.inner_states[1].hyperparams['lr'] is 0.005, tx's is 0.01"
+        ),
     ):
         _, loaded, _ = fg.load_checkpoint(tmp_path / "a.ckpt", params, tx)
     assert fg.get_lr(loaded) == [5e-3]
@@ -186,15 +192,26 @@ def test_a_checkpoint_restores_its_lr_and_reports_a_mismatch(tmp_path):
     assert fg.get_lr(loaded) == [1e-2]
 
 
-def test_a_state_dict_without_lr_loads_with_txs_lr():
-    """A state saved before the learning rate was state (no "lr" entry) loads."""
+@pytest.mark.parametrize("saved_lr", [None, 5e-3])
+def test_a_state_dict_from_before_hyperparameters_were_state_loads(saved_lr):
+    """A state saved before every hyperparameter was state (no "hyperparams"; with an
+    "lr" entry from when the learning rate alone was state, or none from before that)
+    loads: the other hyperparameters are tx's, a saved float lr is restored."""
     params = {"w": torch.zeros(2, dtype=D)}
-    tx = fg.adam(lr=1e-2)
+    tx = fg.adam(lr=1e-2, betas=(0.8, 0.9))
     _, state = tx.update({"w": torch.ones(2, dtype=D)}, tx.init(params), params)
     sd = fg.state_dict(state)
-    del sd["lr"]
-    loaded = fg.load_state_dict(tx, params, sd)
-    assert int(loaded.count) == 1 and fg.get_lr(loaded) == [1e-2]
+    del sd["hyperparams"]
+    if saved_lr is None:
+        loaded = fg.load_state_dict(tx, params, sd)
+    else:
+        sd["lr"] = torch.tensor(saved_lr, dtype=D)
+        with pytest.warns(UserWarning, match=re.escape("hyperparams['lr'] is 0.005, tx's is 0.01")):
+            loaded = fg.load_state_dict(tx, params, sd)
+    assert int(loaded.count) == 1
+    assert fg.get_hyperparams(loaded) == [
+        {"lr": saved_lr or 1e-2, "betas": (0.8, 0.9), "eps": 1e-8}
+    ]
     torch.testing.assert_close(loaded.mu["w"], state.mu["w"], rtol=0, atol=0)
 
 

@@ -165,21 +165,30 @@ def test_a_scheduler_drives_every_optimizer_keeping_their_ratios():
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=n)
 
 
-def test_a_funcgrad_schedule_is_kept_and_the_group_lr_multiplies_it():
+def test_a_funcgrad_schedule_is_kept_and_the_group_shows_its_next_value():
+    """lr has one meaning, the value of the next step: under a funcgrad schedule the
+    group shows sched(steps taken); a value written into the group is used for the
+    next step only, then the schedule goes on. Equal to make_step doing the same."""
     x = torch.rand(4, 1, dtype=D)
     a, b = dead_seed_model(), dead_seed_model()
     sched = fg.cosine_decay(1e-2, 10)
-    step = fg.make_step(seed_loss(a), fg.adam(lr=lambda c: sched(c) * 0.5))
+    tx = fg.adam(lr=sched)
+    step = fg.make_step(seed_loss(a), tx)
     params = fg.params(a)
-    state = fg.adam(lr=lambda c: sched(c) * 0.5).init(params)
-    for _ in range(6):
-        params, state, _ = step(params, state, x)
+    state = tx.init(params)
     opt = fg.Optimizer(b, fg.adam(lr=sched))
-    assert opt.param_groups[0]["lr"] == 1.0
-    torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=100)
-    got = torch_loop(b, opt, x, 6)
-    for k in got:
-        torch.testing.assert_close(got[k], params[k], rtol=1e-12, atol=1e-14)
+    for i in range(6):
+        want_lr = float(sched(torch.tensor(float(i), dtype=D)))
+        assert opt.param_groups[0]["lr"] == pytest.approx(want_lr, rel=1e-15)
+        assert fg.get_lr(state) == [pytest.approx(want_lr, rel=1e-15)]
+        if i == 3:  # written for one step, in both worlds
+            opt.param_groups[0]["lr"] = 0.5
+            state = fg.set_lr(state, 0.5)
+        params, state, _ = step(params, state, x)
+        torch_loop(b, opt, x, 1)
+    for k, p in b.named_parameters():
+        torch.testing.assert_close(p.detach(), params[k], rtol=1e-12, atol=1e-14)
+    assert opt.param_groups[0]["lr"] == pytest.approx(float(sched(torch.tensor(6.0, dtype=D))))
 
 
 def test_state_dict_round_trip_resumes_bit_for_bit():
@@ -309,9 +318,15 @@ ERRORS = [
     ),
     ("fg.Optimizer.step: 'weight' has a sparse gradient", TypeError, _sparse_grad),
     (
-        "fg.Optimizer: expected an nn.Module or model.named_parameters() (pairs (name, parameter)), got items of type Parameter",
-        TypeError,
-        lambda: fg.Optimizer(nn.Linear(1, 1).parameters(), fg.adam()),
+        "fg.Optimizer: tx names parameters the optimizer does not know",
+        KeyError,
+        lambda: fg.Optimizer(
+            dead_seed_model().parameters(),
+            fg.chain(
+                fg.per_group(fg.rules.zero_fix(), fg.group_by_module(dead_seed_model())),
+                fg.adam(),
+            ),
+        ),
     ),
     (
         "fg.Optimizer: the model has no trainable parameters",

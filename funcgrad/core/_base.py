@@ -8,15 +8,13 @@ caller adds the final updates to the parameters with :func:`apply_updates`.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from .._compat import compiling
 from ._compose import composing
 from ._flat import Flat, pack
 from ._tree import names_mismatch
@@ -41,12 +39,51 @@ class UpdateFn(Protocol):
     ) -> tuple[Params, State]: ...
 
 
-class GradientTransformation(NamedTuple):
+@dataclass(frozen=True)
+class Facts:
+    """What a transformation is, beside what it computes: carried on the
+    :class:`GradientTransformation` object (as equinox keeps static fields), read
+    by ``fg.sharded``, ``fg.Optimizer``, ``fg.grouped`` and ``fg.make_step``. It
+    never changes what ``update`` computes. ``GradientTransformation(init, update)``
+    built by hand has none of them (``NO_FACTS``): not even another transformation's
+    whose functions it reuses."""
+
+    shardable: bool = False
+    """``fg.sharded`` may run it on row shards (see :func:`shardable`)."""
+    by_entry: bool = False
+    """It may also run on any cut of the flat buffers (``fg.sharded`` on ``fg.params``),
+    where a piece is a 1-D run of entries."""
+    averages: bool = False
+    """It is or contains ``fg.all_reduce_mean`` (``fg.sharded``, which averages
+    itself, refuses it)."""
+    parts: tuple[Any, ...] = ()
+    """The transformations it wraps (``chain``, ``partition``, ``accumulate``...)."""
+    remake: Callable[[tuple[Any, ...]], Any] | None = None
+    """The same wrapper over other parts (``fg.grouped`` swaps an optimizer inside)."""
+    optimizer: Any = None
+    """An optimizer's :class:`funcgrad.optim._hparams.OptimizerInfo`: its factory, the
+    arguments it was built with, and the hyperparameters its state holds."""
+    ghost: tuple[float, str] | None = None
+    """Built by ``fg.ghost_clip(max_norm, reduction)``: ``fg.make_step(per_sample=)``
+    computes it from per-sample gradient norms (funcgrad/step/_ghost.py)."""
+
+
+NO_FACTS = Facts()
+
+
+class _Pair(NamedTuple):
+    init: InitFn
+    update: UpdateFn
+
+
+class GradientTransformation(_Pair):
     """A pair of pure functions ``(init, update)``.
 
     ``init(params) -> state`` and ``update(grads, state, params=None) -> (updates,
     new_state)``. Neither mutates its inputs, so both can be traced by
     ``torch.compile(fullgraph=True)`` and composed with ``torch.func`` transforms.
+    It unpacks and indexes as a pair (``init, update = tx``); ``tx.facts`` says what
+    funcgrad knows of it (:class:`Facts`; none for one built by hand).
 
     Examples:
         >>> import torch, funcgrad as fg
@@ -60,8 +97,14 @@ class GradientTransformation(NamedTuple):
         tensor([2., 2.])
     """
 
-    init: InitFn
-    update: UpdateFn
+    facts: Facts
+
+    def __new__(
+        cls, init: InitFn, update: UpdateFn, facts: Facts | None = None
+    ) -> GradientTransformation:
+        self = super().__new__(cls, init, update)
+        self.facts = NO_FACTS if facts is None else facts
+        return self
 
 
 class EmptyState(NamedTuple):
@@ -113,43 +156,6 @@ def set_to_zero() -> GradientTransformation:
     )
 
 
-@dataclass
-class _Facts:
-    """What funcgrad records about one transformation (keyed by its ``update``)."""
-
-    shardable: bool = False
-    """Declared with :func:`shardable`: ``fg.sharded`` may run it on row shards."""
-    by_entry: bool = False
-    """Declared with ``shardable(..., by_entry=True)``: it may also run on any cut of the
-    flat buffers (``fg.sharded`` on ``fg.params``), where a piece is a 1-D run of entries."""
-    averages: bool = False
-    """Is or contains ``fg.all_reduce_mean`` (``fg.sharded``, which averages itself, refuses it)."""
-    parts: tuple[GradientTransformation, ...] = ()
-    """The transformations it wraps (``chain``, ``partition``, ...), for :func:`learning_rates`."""
-    lr: Any = None
-    """The learning rate it was built with (an optimizer: a float, a 0-d tensor or a
-    schedule), read by ``fg.Optimizer`` to start its param group's ``"lr"``. Never
-    written after the build: the learning rate in use is the optimizer state's ``lr``."""
-    ghost: tuple[float, str] | None = None
-    """Built by ``fg.ghost_clip(max_norm, reduction)``: ``fg.make_step(per_sample=)``
-    computes it from per-sample gradient norms (funcgrad/step/_ghost.py)."""
-
-
-_FACTS: weakref.WeakKeyDictionary[Any, _Facts] = weakref.WeakKeyDictionary()
-"""The one registry of transformations, keyed weakly by their ``update`` function (a
-``GradientTransformation`` is a NamedTuple: nothing can be attached to it). Written
-only when a transformation is built outside ``torch.compile`` (dynamo cannot trace a
-weak dictionary); read by ``fg.sharded`` and ``fg.Optimizer``. It never changes what
-``update`` computes."""
-
-
-def _facts(tx: GradientTransformation) -> _Facts:
-    facts = _FACTS.get(tx.update)
-    if facts is None:
-        facts = _FACTS[tx.update] = _Facts()
-    return facts
-
-
 def clip_factor(max_norm: float | Tensor, norm: Tensor) -> Tensor:
     """``min(1, max_norm / (norm + 1e-6))``: what a gradient of 2-norm ``norm`` is
     scaled by to clip it to ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s formula;
@@ -157,54 +163,20 @@ def clip_factor(max_norm: float | Tensor, norm: Tensor) -> Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
-def ghost(tx: GradientTransformation, how: tuple[float, str] | None = None) -> Any:
-    """With ``how``: record that ``tx`` is ``fg.ghost_clip(*how)`` and return ``tx``;
-    without: what was recorded (``(max_norm, reduction)``), or None."""
-    if how is None:
-        facts = _FACTS.get(tx.update)
-        return None if facts is None else facts.ghost
-    if not compiling():
-        _facts(tx).ghost = how
-    return tx
-
-
-def has_lr(tx: GradientTransformation, lr: Any) -> GradientTransformation:
-    """Record that ``tx`` is an optimizer built with learning rate ``lr``. Returns ``tx``."""
-    if not compiling():
-        _facts(tx).lr = lr
-    return tx
-
-
-def wraps(tx: GradientTransformation, *parts: GradientTransformation) -> GradientTransformation:
-    """Record that ``tx`` wraps ``parts`` (for :func:`learning_rates`), without declaring
-    it shardable. Returns ``tx``."""
-    if not compiling():
-        _facts(tx).parts = parts
-    return tx
-
-
-def learning_rates(tx: GradientTransformation) -> list[Any]:
-    """The learning rates every optimizer inside ``tx`` was built with, in order
-    (through ``chain``, ``named_chain``, ``partition``, ``accumulate``,
-    ``skip_if_nonfinite``, ``sharded``): the order of their states in ``tx.init``'s."""
-    out: list[Any] = []
-
-    def walk(t: GradientTransformation) -> None:
-        facts = _FACTS.get(t.update, _Facts())
-        if facts.lr is not None:
-            out.append(facts.lr)
-        for part in facts.parts:
-            walk(part)
-
-    walk(tx)
-    return out
+def with_facts(tx: GradientTransformation, **changes: Any) -> GradientTransformation:
+    """``tx`` (the same functions) with some of its :class:`Facts` changed."""
+    return GradientTransformation(tx.init, tx.update, replace(tx.facts, **changes))
 
 
 def shardable(
-    tx: GradientTransformation, *parts: GradientTransformation, by_entry: bool = False
+    tx: GradientTransformation,
+    *parts: GradientTransformation,
+    by_entry: bool = False,
+    remake: Callable[[tuple[Any, ...]], Any] | None = None,
 ) -> GradientTransformation:
-    """Declare that ``tx`` may run on row shards under :func:`funcgrad.sharded`, if all
-    of ``parts`` (the transformations it wraps) may.
+    """``tx`` declared to run on row shards under :func:`funcgrad.sharded` if all of
+    ``parts`` (the transformations it wraps) may; ``remake(new_parts)`` builds the same
+    wrapper over other parts. Returns a new transformation (the same functions).
 
     A transformation may when each output entry depends only on the same entry of
     the gradients, parameters and its own state, and on per-group statistics taken
@@ -212,43 +184,29 @@ def shardable(
     declares more: it does not read the tensors' shapes either (no factored moments,
     no matrix of its own, no mask or label decided from a shape), so it may run on
     equal chunks of the flat buffers, where each tensor's piece is a 1-D run of
-    entries (if all of ``parts`` may too). Returns ``tx``.
-
-    A transformation built inside a compiled function (e.g. ``fg.adam(lr=lr)`` with
-    a traced, learnable ``lr``) is not registered: dynamo cannot trace the weak
-    dictionary, and ``fg.sharded`` is never built there.
+    entries (if all of ``parts`` may too).
     """
-    if compiling():
-        return tx
-    facts = _facts(tx)
-    if parts:
-        facts.parts = parts
-    if all(is_shardable(p) for p in parts):
-        facts.shardable = True
-        facts.by_entry = by_entry and all(is_by_entry(p) for p in parts)
-    if any(averages_over_ranks(p) for p in parts):
-        facts.averages = True
-    return tx
+    ok = all(p.facts.shardable for p in parts)
+    return with_facts(
+        tx,
+        shardable=ok,
+        by_entry=ok and by_entry and all(p.facts.by_entry for p in parts),
+        averages=any(p.facts.averages for p in parts),
+        parts=parts,
+        remake=remake,
+    )
 
 
-def is_shardable(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` was declared with :func:`shardable`."""
-    facts = _FACTS.get(tx.update)
-    return facts is not None and facts.shardable
-
-
-def is_by_entry(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` was declared with ``shardable(..., by_entry=True)``."""
-    facts = _FACTS.get(tx.update)
-    return facts is not None and facts.by_entry
-
-
-def averages_over_ranks(tx: GradientTransformation, mark: bool = False) -> bool:
-    """Whether ``tx`` is or contains ``fg.all_reduce_mean`` (``mark=True`` declares it)."""
-    if mark:
-        _facts(tx).averages = True
-    facts = _FACTS.get(tx.update)
-    return facts is not None and facts.averages
+def wrapping(
+    tx: GradientTransformation,
+    *parts: GradientTransformation,
+    remake: Callable[[tuple[Any, ...]], Any] | None = None,
+) -> GradientTransformation:
+    """``tx`` recorded as wrapping ``parts`` (``remake`` builds it over others), without
+    declaring it shardable."""
+    return with_facts(
+        tx, parts=parts, remake=remake, averages=any(p.facts.averages for p in parts)
+    )
 
 
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:

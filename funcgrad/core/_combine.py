@@ -78,7 +78,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         grads, new_states = _run_in_order(transforms, grads, state.inner_states, params)
         return grads, ChainState(tuple(new_states))
 
-    return shardable(GradientTransformation(init, update), *transforms, by_entry=True)
+    tx = GradientTransformation(init, update)
+    return shardable(tx, *transforms, by_entry=True, remake=lambda parts: chain(*parts))
 
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -124,7 +125,11 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
         grads, new = _run_in_order(transforms, grads, [state[n] for n in names], params)
         return grads, dict(zip(names, new, strict=True))
 
-    return shardable(GradientTransformation(init, update), *transforms, by_entry=True)
+    def remake(parts: tuple[GradientTransformation, ...]) -> GradientTransformation:
+        return named_chain(*zip(names, parts, strict=True))
+
+    tx = GradientTransformation(init, update)
+    return shardable(tx, *transforms, by_entry=True, remake=remake)
 
 
 class PartitionState(NamedTuple):
@@ -204,7 +209,67 @@ def partition(
         # Keep the caller's key order (dict order matters for pytree flattening).
         return {n: out[n] for n in grads}, PartitionState(new_states)
 
+    def remake(parts: tuple[GradientTransformation, ...]) -> GradientTransformation:
+        return partition(dict(zip(transforms, parts, strict=True)), labels)
+
     # by_entry: labels given as a function may decide from shapes (see fg.sharded)
+    tx = GradientTransformation(init, update)
+    return shardable(tx, *transforms.values(), by_entry=not callable(labels), remake=remake)
+
+
+class ParamGroupsState(NamedTuple):
+    """The state of :func:`by_groups` (``fg.grouped``): one inner state per param group,
+    in the groups' order."""
+
+    inner_states: tuple[State, ...]
+
+
+def by_groups(
+    transforms: Sequence[GradientTransformation], group_of: Mapping[str, int]
+) -> GradientTransformation:
+    """Send each parameter to the transformation of its param group: ``transforms[i]``
+    sees the parameters ``n`` with ``group_of[n] == i`` (``fg.grouped`` builds it with
+    one optimizer per group). Decided by name only, so it may see any subset of the
+    named parameters (inside a ``partition``, say)."""
+    transforms = tuple(transforms)
+    _check_transforms(transforms, "fg.grouped")
+
+    def split(tree: Mapping[str, Tensor]) -> list[Params]:
+        parts: list[Params] = [{} for _ in transforms]
+        for n, t in tree.items():
+            i = group_of.get(n)
+            if i is None:
+                raise KeyError(
+                    f"fg.grouped: parameter '{n}' is in no param group; every parameter "
+                    f"the optimizer sees needs one (the groups name {len(group_of)})."
+                )
+            parts[i][n] = t
+        return parts
+
+    def init(params: Params) -> ParamGroupsState:
+        return ParamGroupsState(
+            tuple(t.init(p) for t, p in zip(transforms, split(params), strict=True))
+        )
+
+    def update(
+        grads: Params, state: ParamGroupsState, params: Params | None = None
+    ) -> tuple[Params, ParamGroupsState]:
+        if not isinstance(state, ParamGroupsState) or len(state.inner_states) != len(transforms):
+            raise TypeError(
+                "fg.grouped.update: got a state that this transformation's init did not make "
+                f"(got {type(state).__name__}); build it with tx.init(params)."
+            )
+        g_parts = split(grads)
+        p_parts = split(params) if params is not None else [None] * len(transforms)
+        out: Params = {}
+        new = []
+        for t, g, s, p in zip(transforms, g_parts, state.inner_states, p_parts, strict=True):
+            u, s = t.update(g, s, p)
+            out.update(u)
+            new.append(s)
+        return {n: out[n] for n in grads}, ParamGroupsState(tuple(new))
+
+    tx = GradientTransformation(init, update)
     return shardable(
-        GradientTransformation(init, update), *transforms.values(), by_entry=not callable(labels)
+        tx, *transforms, by_entry=True, remake=lambda parts: by_groups(parts, group_of)
     )

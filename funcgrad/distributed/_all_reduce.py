@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _compat
-from ..core._base import EmptyState, GradientTransformation, Params, State, averages_over_ranks
+from ..core._base import EmptyState, Facts, GradientTransformation, Params, State
 from ..core._compose import refuse_transforms
 
 
@@ -170,6 +170,4 @@ def all_reduce_mean(
         refuse_transforms("fg.all_reduce_mean", grads)
         return reduce(grads), state
 
-    tx = GradientTransformation(init, update)
-    averages_over_ranks(tx, mark=True)
-    return tx
+    return GradientTransformation(init, update, Facts(averages=True))

@@ -335,9 +335,19 @@ def _saved_keys(sub: Path) -> set[str]:
     return set(_dcp().FileSystemReader(sub).read_metadata().state_dict_metadata)
 
 
+def _old_hyper(key: str, saved: set[str]) -> bool:
+    """An entry of an optimizer state's ``hyperparams`` that a checkpoint written before
+    every hyperparameter was state does not hold (its ``count`` is there, its
+    ``hyperparams`` not): it starts as tx.init makes it. (Its ``lr``, if any, was the
+    learning rate or a schedule's factor: tx's learning rate is used.)"""
+    head, found, _ = key.partition(".hyperparams")
+    if not found or f"{head}.count" not in saved:
+        return False
+    return not any(k.startswith(f"{head}.hyperparams") for k in saved)
+
+
 def _old_lr(key: str, saved: set[str]) -> bool:
-    """An optimizer state's ``lr`` that a checkpoint written before the learning rate
-    was state does not hold (its ``count`` is there): it starts as tx.init makes it."""
+    """A saved optimizer state's ``lr`` of such a checkpoint."""
     return key.endswith(".lr") and key[: -len("lr")] + "count" in saved
 
 
@@ -345,7 +355,7 @@ def _drop_missing_lr(tree: Any, saved: set[str], prefix: str = "") -> None:
     if isinstance(tree, dict):
         for k in list(tree):
             key = f"{prefix}.{k}" if prefix else str(k)
-            if k == "lr" and key not in saved and _old_lr(key, saved):
+            if k == "hyperparams" and _old_hyper(f"{key}.", saved):
                 del tree[k]
             else:
                 _drop_missing_lr(tree[k], saved, key)
@@ -360,8 +370,8 @@ def _check_keys(sub: Path, fresh: dict[str, Any], who: str) -> str | None:
     except Exception as err:
         return f"{who}: {str(sub)!r} has no readable metadata ({_short(err)}); load an earlier one."
     want = set(_keys(fresh))
-    extra = sorted(saved - want)
-    missing = sorted(k for k in want - saved if not _old_lr(k, saved))
+    extra = sorted(k for k in saved - want if not _old_lr(k, saved))
+    missing = sorted(k for k in want - saved if not _old_hyper(k, saved))
     if not extra and not missing:
         return None
     parts = []

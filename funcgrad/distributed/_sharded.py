@@ -46,12 +46,9 @@ from ..core._base import (
     GradientTransformation,
     Params,
     State,
-    averages_over_ranks,
     check_state,
-    is_by_entry,
-    is_shardable,
     params_device,
-    wraps,
+    wrapping,
 )
 from ..core._compose import refuse_transforms
 from ..core._tree import flatten
@@ -577,13 +574,13 @@ def sharded(
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"fg.sharded: wraps a GradientTransformation, got {type(tx).__name__}.")
-    if averages_over_ranks(tx):
+    if tx.facts.averages:
         raise ValueError(
             "fg.sharded: tx contains fg.all_reduce_mean. fg.sharded averages the gradients "
             "itself (a reduce-scatter); averaging twice would divide by the world size "
             "twice. Remove fg.all_reduce_mean from the chain."
         )
-    if not (assume_shardable or is_shardable(tx)):
+    if not (assume_shardable or tx.facts.shardable):
         raise TypeError(
             "fg.sharded: tx contains a transformation that is not known to work on row "
             "shards: one built with fg.stateless, fg.add_noise, or a custom "
@@ -623,7 +620,7 @@ def sharded(
         _initialized("fg.sharded.init")
         refuse_transforms("fg.sharded", params)
         ranks: Ranks | Chunks
-        if isinstance(params, _flat.Flat) and is_by_entry(tx):
+        if isinstance(params, _flat.Flat) and tx.facts.by_entry:
             ranks = Chunks(group, params.layout)
         else:
             ranks = Ranks(group, {k: tuple(p.shape) for k, p in params.items()})
@@ -650,7 +647,11 @@ def sharded(
             updates, inner = tx.update(rows, state.inner, local_params)
         return ranks.gather(updates), type(state)(inner)
 
-    return wraps(GradientTransformation(init, update), tx)
+    return wrapping(
+        GradientTransformation(init, update),
+        tx,
+        remake=lambda parts: sharded(parts[0], group, assume_shardable=assume_shardable),
+    )
 
 
 def _key(layout: Layout) -> tuple[Any, ...]:

@@ -252,7 +252,7 @@ def _model_and_optimizer(model: Any, opt: Any, who: str) -> tuple[nn.Module, Opt
             f"{type(model).__name__} and {type(opt).__name__}."
         )
     mine = {id(p) for p in model.parameters()}
-    if not all(id(p) in mine for p in opt.param_groups[0]["params"]):
+    if not all(id(p) in mine for g in opt.param_groups for p in g["params"]):
         raise ValueError(
             f"{who}: the fg.Optimizer was not built on this model's parameters; pass the "
             "model the optimizer trains."

@@ -30,6 +30,7 @@ from ..distributed._checkpoint import (
     whole_template,
 )
 from ..distributed._sharded import ShardedState
+from ..optim._param_groups import optimizers_in
 
 _PLAIN = (bool, int, float, str)
 
@@ -168,16 +169,54 @@ def load_state_dict(
     return load(tx, params, state_dict, report_lr=True)
 
 
-def _is_lr(accessor: Any) -> bool:
-    """The path of an optimizer state's ``lr`` field (``state.inner_states[1].lr``)."""
-    if not len(accessor):
-        return False
-    last = accessor[-1]
-    return (
-        optree.is_namedtuple_class(last.type)
-        and last.type._fields[last.entry] == "lr"  # type: ignore[attr-defined]
-        and last.type._fields[0] == "count"  # type: ignore[attr-defined]
-    )
+def _hyper_paths(template: State) -> list[str]:
+    """The path of every optimizer state's ``hyperparams`` field in ``template``
+    (``state.inner_states[1].hyperparams``), in the order of ``optimizer_states``."""
+    out: list[str] = []
+    accessors, _, _ = flatten(template)
+    for accessor in accessors:
+        for depth, entry in enumerate(accessor):
+            fields = getattr(entry.type, "_fields", ())
+            if fields and fields[0] == "count" and fields[entry.entry] == "hyperparams":
+                path = accessor[: depth + 1].codify("state")
+                if path not in out:
+                    out.append(path)
+    return out
+
+
+def _migrate_hyperparams(
+    tx: GradientTransformation, template: State, saved: dict[str, tuple[str, Any]]
+) -> None:
+    """A checkpoint written before every hyperparameter was state: its optimizer states
+    have no ``hyperparams`` (and, before the learning rate was state, no ``lr``). They
+    start as ``tx.init`` makes them, but for a float learning rate the checkpoint's
+    ``lr``, which was its value (for a schedule or a tensor it was a factor, 1.0 unless
+    set: another factor is not kept, with a warning)."""
+    paths = _hyper_paths(template)
+    infos = optimizers_in(tx)
+    kinds = [i.hyper.get("lr") for i in infos] if len(infos) == len(paths) else [0.0] * len(paths)
+    mine = {p: (k, v) for p, k, v in _saved(state_dict(template), "state")}
+    for path, lr in zip(paths, kinds, strict=True):
+        owner = path[: -len(".hyperparams")]
+        if path in saved or owner not in saved:
+            continue
+        for p, entry in mine.items():
+            if p == path or p.startswith(path + "["):
+                saved[p] = entry
+        old = saved.pop(f"{owner}.lr", None)
+        if old is None:
+            continue
+        value = old[1]
+        if isinstance(lr, float):
+            saved[f"{path}['lr']"] = ("leaf", value)
+        elif isinstance(value, Tensor) and float(value) != 1.0:
+            warnings.warn(
+                f"fg.load_state_dict: {owner}.lr in this older checkpoint is a factor "
+                f"{float(value):.6g} of tx's schedule or tensor learning rate; a state now "
+                "holds the learning rate itself, and the factor is not kept. Set the "
+                "value with fg.set_hyperparams(state, lr=...).",
+                stacklevel=4,
+            )
 
 
 def load(
@@ -197,13 +236,8 @@ def load(
     else:
         saved_root = state_dict
     saved = {p: (kind, v) for p, kind, v in _saved(saved_root, "state")}
-    # A checkpoint written before the learning rate was state has no ``lr``: it starts
-    # as tx.init makes it (the code's learning rate).
-    pairs = zip(accessors, leaves, strict=True)
-    lr_paths = {a.codify("state"): leaf for a, leaf in pairs if _is_lr(a)}
-    for path, leaf in lr_paths.items():
-        if path not in saved and path.rsplit(".", 1)[0] in saved:
-            saved[path] = ("leaf", leaf)
+    _migrate_hyperparams(tx, template, saved)
+    hyper = tuple(f"{p}[" for p in _hyper_paths(template))
     # Containers first: a NamedTuple of another type is the clearest message.
     for accessor in accessors:
         for depth, entry in enumerate(accessor):
@@ -238,13 +272,12 @@ def load(
                     f"{tuple(want.shape)} {want.dtype}.{_HINT}"
                 )
             value = value.to(device if want.is_meta else want.device).clone()
-            if report_lr and path in lr_paths and not bool((value == want).all()):
+            if report_lr and path.startswith(hyper) and not bool((value == want).all()):
                 warnings.warn(
-                    f"fg.load_state_dict: the checkpoint's learning rate at {path} is "
-                    f"{float(value):.6g}, tx's is {float(want):.6g} (a factor of 1.0 for a "
-                    "schedule or a tensor learning rate). The checkpoint's is restored: the "
-                    "learning rate is part of the state. To train with tx's, replace it: "
-                    f"state = fg.set_lr(state, fg.get_lr(tx.init(params))).",
+                    f"fg.load_state_dict: the checkpoint's hyperparameter at {path} is "
+                    f"{float(value):.6g}, tx's is {float(want):.6g}. The checkpoint's is "
+                    "restored: hyperparameters are part of the state. To train with tx's, "
+                    "replace it: fg.set_hyperparams(state, name=value).",
                     stacklevel=3,
                 )
             if hasattr(want, "placements"):  # a DTensor state (FSDP2): this rank's shard

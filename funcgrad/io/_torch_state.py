@@ -222,7 +222,7 @@ def state_from_torch(
     fresh = type(node)(
         torch.tensor(n, dtype=torch.int64, device=device),
         *(new.get(f, {}) for f in slot_fields(type(node))),
-        lr=node.lr,
+        hyperparams=node.hyperparams,
     )
     return _replace(template, path, fresh)
 

@@ -17,11 +17,17 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
+    check_bool,
     as64,
+    check_hyperparameters,
     check_lr,
+    check_number,
     check_weight_decay,
     hyper,
-    nonzero,
+    hyperparameters,
+    off_if_zero,
+    optimizer,
+    scalar,
 )
 from ._kernel import Entry, Spec, build
 
@@ -35,7 +41,7 @@ class AdafactorState(NamedTuple):
     row_var: dict[str, Tensor]
     col_var: dict[str, Tensor]
     variance: dict[str, Tensor]
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None  # lr, beta2_decay, eps, d, weight_decay (_hparams)
 
 
 invariants(
@@ -44,7 +50,7 @@ invariants(
     row_var="finite nonnegative",
     col_var="finite nonnegative",
     variance="finite nonnegative",
-    lr="finite nonnegative",
+    hyperparams="finite",
 )
 
 
@@ -60,7 +66,7 @@ def _vector(t: Tensor) -> Tensor | None:
     return torch.zeros_like(t) if t.dim() <= 1 else None
 
 
-def _check_eps(eps: object) -> tuple[float | None, float]:
+def _check_eps(eps: object) -> None:
     if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
         raise ValueError(
             f"Invalid eps: {eps!r}; fg.adafactor takes a pair (eps1, eps2) as "
@@ -68,23 +74,37 @@ def _check_eps(eps: object) -> tuple[float | None, float]:
             "the second moment, eps2 the parameter scale. The default is (None, 1e-3)."
         )
     eps1, eps2 = eps
-    for i, e in enumerate(eps):
-        if (e is None and i == 0) or (isinstance(e, (int, float)) and not isinstance(e, bool)):
-            continue
-        raise TypeError(f"Invalid eps[{i}]: {e!r}; expected a float{' or None' if i == 0 else ''}.")
-    if eps1 is not None and not eps1 >= 0.0:
-        raise ValueError(f"epsilon1 should be >= 0 but is: {eps1}")
-    if not eps2 >= 0.0:
-        raise ValueError(f"epsilon2 should be >= 0 but is: {eps2}")
-    return (None if eps1 is None else float(eps1)), float(eps2)
+    if eps1 is not None:
+        check_number(eps1, "eps[0]", lambda v: v >= 0.0, "epsilon1 should be >= 0 but is: {}")
+    check_number(eps2, "eps[1]", lambda v: v >= 0.0, "epsilon2 should be >= 0 but is: {}")
 
 
+def _check_beta2_decay(x: object) -> None:
+    check_number(x, "beta2_decay", lambda v: v <= 0.0, "beta2_decay should be <= 0 but is: {}")
+
+
+def _check_d(x: object) -> None:
+    check_number(x, "d", lambda v: v >= 1.0, "Clipping threshold d should be >= 1 but is: {}")
+
+
+hyperparameters(
+    AdafactorState,
+    lr=check_lr,
+    beta2_decay=_check_beta2_decay,
+    eps=_check_eps,
+    d=_check_d,
+    weight_decay=check_weight_decay,
+)
+
+
+@optimizer
 def adafactor(
     lr: LearningRate = 1e-2,
-    beta2_decay: float = -0.8,
-    eps: tuple[float | None, float] = (None, 1e-3),
-    d: float = 1.0,
+    beta2_decay: Hyper = -0.8,
+    eps: tuple[Hyper | None, Hyper] = (None, 1e-3),
+    d: Hyper = 1.0,
     weight_decay: Hyper = 0.0,
+    *,
     maximize: bool = False,
     mask: DecayMask = None,
 ) -> GradientTransformation:
@@ -127,29 +147,28 @@ def adafactor(
         >>> updates["w"][0, 0]  # -min(lr, 1) * RMS(p) * sign: every entry -0.01
         tensor(-0.0100)
     """
-    check_lr(lr)
-    if isinstance(beta2_decay, bool) or not isinstance(beta2_decay, (int, float)):
-        raise TypeError(f"Invalid beta2_decay: {beta2_decay!r}; expected a float <= 0.")
-    if not 0.0 >= beta2_decay:
-        raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
-    eps1, eps2 = _check_eps(eps)
-    if isinstance(d, bool) or not isinstance(d, (int, float)):
-        raise TypeError(f"Invalid d: {d!r}; expected a float >= 1.")
-    if not 1.0 <= d:
-        raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
-    check_weight_decay(weight_decay)
-    wd, decay_rate, clip = hyper(weight_decay), float(beta2_decay), float(d)
-    has_decay = nonzero(wd)
+    lr, beta2_decay, d, weight_decay = map(scalar, (lr, beta2_decay, d, weight_decay))
+    eps = tuple(map(scalar, eps)) if isinstance(eps, (tuple, list)) else eps
+    check_hyperparameters(
+        AdafactorState, lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay
+    )
+    check_bool(maximize, "maximize", "fg.adafactor")
+    wd = off_if_zero(weight_decay)
+    has_decay, machine_eps = wd is not None, eps[0] is None
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
         t = count.to(torch.float64)
         s = {
-            "b": torch.pow(t, decay_rate),
-            "rho": torch.minimum(lr_t, 1.0 / torch.sqrt(t)),
-            "eps2": torch.tensor(eps2, dtype=torch.float64, device=count.device),
+            "b": torch.pow(t, hp["beta2_decay"]),
+            "rho": torch.minimum(hp["lr"], 1.0 / torch.sqrt(t)),
+            "d": hp["d"],
         }
+        if machine_eps:  # eps is not in the state (the dtype decides eps1)
+            s["eps2"] = as64(eps[1], t)
+        else:
+            s["eps1"], s["eps2"] = hp["eps"]
         if has_decay:
-            s["neg_lr_wd"] = -lr_t * as64(wd, count)
+            s["neg_lr_wd"] = -hp["lr"] * hp["weight_decay"]
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
@@ -163,7 +182,7 @@ def adafactor(
             return partial if shards is None else shards.sum(partial)
 
         n = g.numel() if shards is None else shards.numel(e.name)
-        e1 = torch.finfo(e.stored).eps if eps1 is None else eps1
+        e1 = torch.finfo(e.stored).eps if machine_eps else s["eps1"]
         rms_p = torch.sqrt(total(torch.sum(p * p)) / n) if shards else p.norm(2) / math.sqrt(n)
         alpha = torch.maximum(s["eps2"], rms_p) * s["rho"]
         out: dict[str, Tensor] = {}
@@ -185,9 +204,9 @@ def adafactor(
             out["variance"] = v
         u = torch.rsqrt(v.clamp(min=e1 * e1)) * g
         if shards is None:
-            rms_u = u.norm(2) / (math.sqrt(n) * clip)
+            rms_u = u.norm(2) / (math.sqrt(n) * s["d"])
         else:
-            rms_u = torch.sqrt(total(torch.sum(u * u))) / (math.sqrt(n) * clip)
+            rms_u = torch.sqrt(total(torch.sum(u * u))) / (math.sqrt(n) * s["d"])
         step = -alpha / torch.clamp(rms_u, min=1.0)
         u = u * step
         if e.decays:
@@ -200,7 +219,10 @@ def adafactor(
         slots={"row_var": _rows, "col_var": _cols, "variance": _vector},
         scalars=scalars,
         kernel=kernel,
-        lr=lr,
+        hyper={
+            "lr": hyper(lr), "beta2_decay": hyper(beta2_decay), "eps": hyper(eps),
+            "d": hyper(d), "weight_decay": wd,
+        },  # fmt: skip
         needs_params=True,
         elementwise=False,
         has_decay=has_decay,

@@ -14,12 +14,17 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
-    as64,
+    check_bool,
+    check_eps,
+    check_hyperparameters,
     check_lr,
     check_number,
     check_weight_decay,
     hyper,
-    nonzero,
+    hyperparameters,
+    off_if_zero,
+    optimizer,
+    scalar,
 )
 from ._kernel import Entry, elementwise
 
@@ -30,18 +35,29 @@ class AdagradState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]
     sum: dict[str, Tensor]  # type: ignore[assignment]  # shadows nothing callable here
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None  # lr, lr_decay, weight_decay, eps (_hparams)
 
 
-invariants(AdagradState, count="nonnegative", sum="finite nonnegative", lr="finite nonnegative")
+invariants(AdagradState, count="nonnegative", sum="finite nonnegative", hyperparams="finite")
+hyperparameters(
+    AdagradState,
+    lr=check_lr,
+    lr_decay=lambda v: check_number(
+        v, "lr_decay value", lambda x: x >= 0.0, "Invalid lr_decay value: {}"
+    ),
+    weight_decay=check_weight_decay,
+    eps=check_eps,
+)
 
 
+@optimizer
 def adagrad(
     lr: LearningRate = 1e-2,
     lr_decay: Hyper = 0.0,
     weight_decay: Hyper = 0.0,
     initial_accumulator_value: float = 0.0,
     eps: Hyper = 1e-10,
+    *,
     maximize: bool = False,
     mask: DecayMask = None,
 ) -> GradientTransformation:
@@ -65,9 +81,11 @@ def adagrad(
         >>> updates["w"], state.sum["w"]  # -0.1 * 2 / sqrt(5 + 4)
         (tensor([-0.0667]), tensor([9.]))
     """
-    check_lr(lr)
-    check_number(lr_decay, "lr_decay value", lambda v: v >= 0.0, "Invalid lr_decay value: {}")
-    check_weight_decay(weight_decay)
+    lr, lr_decay, weight_decay, eps = map(scalar, (lr, lr_decay, weight_decay, eps))
+    check_hyperparameters(
+        AdagradState, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps
+    )
+    check_bool(maximize, "maximize", "fg.adagrad")
     check_number(
         initial_accumulator_value,
         "initial_accumulator_value value",
@@ -79,16 +97,15 @@ def adagrad(
             "Invalid initial_accumulator_value: a float, not a tensor (it only sets where "
             "the state starts)."
         )
-    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
-    decay_rate, wd, e = hyper(lr_decay), hyper(weight_decay), hyper(eps)
     start = float(initial_accumulator_value)
-    has_decay = nonzero(wd)
+    wd = off_if_zero(weight_decay)
+    has_decay = wd is not None
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
         t = count.to(torch.float64)
-        s = {"neg_clr": -lr_t / (1.0 + (t - 1.0) * as64(decay_rate, count)), "eps": as64(e, count)}
+        s = {"neg_clr": -hp["lr"] / (1.0 + (t - 1.0) * hp["lr_decay"]), "eps": hp["eps"]}
         if has_decay:
-            s["wd"] = as64(wd, count)
+            s["wd"] = hp["weight_decay"]
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
@@ -107,7 +124,7 @@ def adagrad(
         {"sum": lambda t: torch.full_like(t, start)},
         scalars,
         kernel,
-        lr,
+        {"lr": hyper(lr), "lr_decay": hyper(lr_decay), "weight_decay": wd, "eps": hyper(eps)},
         has_decay,
         mask,
     )

@@ -16,13 +16,17 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
-    as64,
+    check_betas,
+    check_bool,
+    check_eps,
+    check_hyperparameters,
     check_lr,
-    check_number,
     check_weight_decay,
-    compute_dtype,
     hyper,
-    nonzero,
+    hyperparameters,
+    off_if_zero,
+    optimizer,
+    scalar,
 )
 from ._kernel import Entry, elementwise
 
@@ -32,13 +36,15 @@ class AdamState(NamedTuple):
 
     ``count``: int64 0-d tensor, steps taken. ``mu``/``nu``: first and second moments.
     ``nu_max``: running max of ``nu`` (``amsgrad``), else an empty dict.
+    ``hyperparams``: ``lr``, ``betas``, ``eps``, ``weight_decay``, the values of the next
+    step (funcgrad/optim/_hparams.py).
     """
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: dict[str, Tensor]
     nu: dict[str, Tensor]
     nu_max: dict[str, Tensor]
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None
 
 
 invariants(
@@ -47,32 +53,11 @@ invariants(
     mu="finite",
     nu="finite nonnegative",
     nu_max="finite nonnegative",
-    lr="finite nonnegative",
+    hyperparams="finite",
 )
-
-
-def _check_hparams(
-    lr: LearningRate,
-    betas: tuple[Hyper, Hyper],
-    eps: Hyper,
-    weight_decay: Hyper,
-    eps_root: float,
-) -> None:
-    check_lr(lr)
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2).")
-    for i, b in enumerate(betas):
-        check_number(
-            b,
-            f"beta parameter at index {i}",
-            lambda v: 0.0 <= v < 1.0,
-            f"Invalid beta parameter at index {i}: {{}}",
-            "beta",
-        )
-    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
-    check_weight_decay(weight_decay)
-    if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or not eps_root >= 0:
-        raise ValueError(f"Invalid eps_root value: {eps_root!r}; expected a float >= 0.")
+hyperparameters(
+    AdamState, lr=check_lr, betas=check_betas, eps=check_eps, weight_decay=check_weight_decay
+)
 
 
 def _adam(
@@ -86,43 +71,53 @@ def _adam(
     mask: DecayMask,
     eps_root: float,
 ) -> GradientTransformation:
-    _check_hparams(lr, betas, eps, weight_decay, eps_root)
-    b1, b2, eps_, wd = (hyper(x) for x in (*betas, eps, weight_decay))
+    who = "fg.adamw" if decoupled else "fg.adam"
+    betas = tuple(map(scalar, betas)) if isinstance(betas, (tuple, list)) else betas
+    lr, eps, weight_decay = scalar(lr), scalar(eps), scalar(weight_decay)
+    check_hyperparameters(AdamState, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    check_bool(amsgrad, "amsgrad", who)
+    check_bool(maximize, "maximize", who)
+    if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or not eps_root >= 0:
+        raise ValueError(f"Invalid eps_root value: {eps_root!r}; expected a float >= 0.")
     eps_root = float(eps_root)
-    has_decay = nonzero(wd)
-    # Float hyperparameters stay Python floats in the kernel's operations (those of
-    # torch.optim's own Adam); the multi-tensor path takes them as _foreach_* scalars.
-    # Tensor hyperparameters and eps_root run tensor by tensor.
-    lists = eps_root == 0.0 and not any(isinstance(x, Tensor) for x in (b1, b2, eps_, wd))
+    wd = off_if_zero(weight_decay)
+    has_decay = wd is not None
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
         # As torch computes them in Python doubles: lr / (1 - b1^t), 1 / sqrt(1 - b2^t).
         t = count.to(torch.float64)
-        bc1 = 1.0 - torch.pow(as64(b1, t), t)
-        bc2 = 1.0 - torch.pow(as64(b2, t), t)
-        s = {"neg_step": -(lr_t / bc1), "inv_bc2": 1.0 / torch.sqrt(bc2)}
-        if has_decay and decoupled:
-            s["lr_decay"] = lr_t * wd
+        lr_t, (b1, b2) = hp["lr"], hp["betas"]
+        bc1 = 1.0 - torch.pow(b1, t)
+        bc2 = 1.0 - torch.pow(b2, t)
+        s = {
+            "neg_step": -(lr_t / bc1),
+            "inv_bc2": 1.0 / torch.sqrt(bc2),
+            "c1": 1.0 - b1,
+            "c2": 1.0 - b2,
+            "b2": b2,
+            "eps": hp["eps"],
+        }
+        if eps_root:
+            s["inv2"] = s["inv_bc2"] * s["inv_bc2"]
+        if has_decay:
+            s["wd"] = hp["weight_decay"]
+            if decoupled:
+                s["lr_decay"] = lr_t * hp["weight_decay"]
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
         g, p, s, o = e.g, e.p, e.s, e.o
-        dt = compute_dtype(e.stored)
-        # Tensor hyperparameters in the compute dtype; floats stay Python floats.
-        c1, c2, b2_, w, ep = (
-            x.to(dt) if isinstance(x, Tensor) else x for x in (1.0 - b1, 1.0 - b2, b2, wd, eps_)
-        )
         if maximize:
             g = o.neg(g)
         if e.decays and not decoupled:
             assert p is not None
-            g = o.add(g, o.mul(p, w))
-        m = o.lerp(e.slots["mu"], g, c1)
+            g = o.add(g, o.mul(p, s["wd"]))
+        m = o.lerp(e.slots["mu"], g, s["c1"])
         # (1 - b2) * g first, then * g: no overflow where torch has none (its addcmul
         # computes value * t1 * t2 in that order), and not addcmul itself, whose
         # decomposition under torch.compile rounds differently from eager.
-        sq = o.mul_(o.mul(g, c2), g)
-        v = o.add_(o.mul(e.slots["nu"], b2_), sq)
+        sq = o.mul_(o.mul(g, s["c2"]), g)
+        v = o.add_(o.mul(e.slots["nu"], s["b2"]), sq)
         o.release(sq)
         # Stored in the parameter's dtype by the caller; this step goes on with the
         # float32 values (torch re-reads its rounded float16 copies: a second moment
@@ -136,10 +131,9 @@ def _adam(
         # torch's sqrt(v) / sqrt(bc2) by at most an ulp. With eps_root (optax's), the
         # root of v / bc2 + eps_root: differentiable where v == 0.
         if eps_root:
-            inv2 = s["inv_bc2"] * s["inv_bc2"]
-            denom = o.add(o.sqrt(o.add(o.mul(v, inv2), eps_root)), ep)
+            denom = o.add(o.sqrt(o.add(o.mul(v, s["inv2"]), eps_root)), s["eps"])
         else:
-            denom = o.add_(o.mul_(o.sqrt(v), s["inv_bc2"]), ep)
+            denom = o.add_(o.mul_(o.sqrt(v), s["inv_bc2"]), s["eps"])
         u = o.mul_(o.div(m, denom), s["neg_step"])
         o.release(denom)
         if e.decays and decoupled:
@@ -153,26 +147,20 @@ def _adam(
     }
     if amsgrad:
         slots["nu_max"] = torch.zeros_like
-    return elementwise(
-        "fg.adamw" if decoupled else "fg.adam",
-        AdamState,
-        slots,
-        scalars,
-        kernel,
-        lr,
-        has_decay,
-        mask,
-        lists,
-    )
+    hp = {"lr": hyper(lr), "betas": hyper(betas), "eps": hyper(eps), "weight_decay": wd}
+    return elementwise(who, AdamState, slots, scalars, kernel, hp, has_decay, mask)
 
 
+@optimizer
 def adam(
     lr: LearningRate = 1e-3,
     betas: tuple[Hyper, Hyper] = (0.9, 0.999),
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
     amsgrad: bool = False,
+    *,
     maximize: bool = False,
+    decoupled_weight_decay: bool = False,
     mask: DecayMask = None,
     eps_root: float = 0.0,
 ) -> GradientTransformation:
@@ -200,7 +188,7 @@ def adam(
     second moment that underflows gives a finite update here and inf/NaN in torch.
 
     ``weight_decay`` is the L2 penalty added to the gradient (as in torch); see
-    :func:`adamw` for decoupled decay. ``mask`` says where weight decay applies (see
+    :func:`adamw` for decoupled decay (or torch's ``decoupled_weight_decay=True``). ``mask`` says where weight decay applies (see
     ``DecayMask``): with a mask, equal to
     ``torch.optim.Adam`` with a decay and a no-decay param group.
 
@@ -230,15 +218,20 @@ def adam(
         >>> round(float(torch.func.grad(new_w0)(torch.tensor(0.1))), 4)
         -1.0
     """
-    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, False, mask, eps_root)
+    check_bool(decoupled_weight_decay, "decoupled_weight_decay", "fg.adam")
+    return _adam(
+        lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay, mask, eps_root
+    )
 
 
+@optimizer
 def adamw(
     lr: LearningRate = 1e-3,
     betas: tuple[Hyper, Hyper] = (0.9, 0.999),
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 1e-2,
     amsgrad: bool = False,
+    *,
     maximize: bool = False,
     mask: DecayMask = None,
     eps_root: float = 0.0,

@@ -1,32 +1,51 @@
-"""Hyperparameters shared by funcgrad's optimizers: learning rates (floats, 0-d
-tensors, schedules), checks with torch-style messages, weight-decay masks, and the
-compute dtype (torch's "opmath": float16/bfloat16 are computed in float32)."""
+"""Hyperparameters shared by funcgrad's optimizers: checks with torch-style messages,
+weight-decay masks, the compute dtype (torch's "opmath": float16/bfloat16 are
+computed in float32), and hyperparameters as state.
+
+Every numeric hyperparameter of an optimizer (lr, betas, eps, weight_decay,
+momentum, ...) lives in its state's ``hyperparams`` dict, under torch's name, as the
+value the *next* step uses (optax's ``inject_hyperparams``): a float is stored as a
+float64 0-d tensor, a 0-d tensor as the tensor itself (edit it in place, or let
+gradients flow into it), a schedule ``count -> value`` as its value for the next step
+(recomputed after each step). :func:`get_hyperparams` / :func:`set_hyperparams` read
+and write them by name; a compiled step takes them as inputs and never recompiles when
+one changes. A hyperparameter built as exactly ``0.0`` where zero switches a term off
+(``weight_decay``; ``momentum``, whose buffers then do not exist) is not in the state:
+the update has no such term, and setting it is an error that says how to build the
+optimizer instead (``fg.Optimizer`` rebuilds it itself when a param group turns it
+on). Adafactor's ``eps`` is in the state only when ``eps[0]`` is a number (``None``
+means the parameter dtype's epsilon).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import torch
 from torch import Tensor
 
-from ..core._base import Params
+from ..core._base import GradientTransformation, Params, with_facts
+from ..core._combine import ParamGroupsState
 from ..core._compose import plain_value
 from ..core._tree import names_mismatch
 
 LearningRate = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
-"""A float, a 0-d tensor (edit it in place to change lr without recompiling; use
-float64 to match torch.optim exactly, since float32 cannot hold 0.02), or a schedule
-``count -> lr`` where ``count`` is the number of steps already taken, as a float64
-0-d tensor (0 on the first step, like ``LambdaLR``'s epoch)."""
+"""A float, a 0-d tensor, or a schedule ``count -> lr`` where ``count`` is the number
+of steps already taken, as a float64 0-d tensor (0 on the first step, like
+``LambdaLR``'s epoch). Any numeric hyperparameter may be given the same three ways."""
 
 
-Hyper = Union[float, Tensor]
-"""A hyperparameter: a float, or a 0-d tensor (learnable: gradients flow into it
-when the update is differentiated, see funcgrad/core/_compose.py)."""
+Hyper = Union[float, Tensor, Callable[[Tensor], Union[float, Tensor]]]
+"""A hyperparameter: a float, a 0-d (or 1-element) tensor (learnable: gradients flow
+into it when the update is differentiated, see funcgrad/core/_compose.py), or a
+schedule ``count -> value``."""
 
 
-def as64(x: Hyper, like: Tensor) -> Tensor:
+def as64(x: Any, like: Tensor) -> Tensor:
     """A hyperparameter as a float64 0-d tensor beside ``like`` (a float becomes a
     constant; a tensor keeps its autograd history)."""
     if isinstance(x, Tensor):
@@ -34,30 +53,57 @@ def as64(x: Hyper, like: Tensor) -> Tensor:
     return torch.tensor(x, dtype=torch.float64, device=like.device)
 
 
+def is_schedule(x: object) -> bool:
+    return callable(x) and not isinstance(x, Tensor)
+
+
+def scalar(x: Any) -> Any:
+    """A 1-element tensor as a 0-d view (torch.optim accepts ``lr=torch.tensor([0.01])``);
+    anything else unchanged."""
+    if isinstance(x, Tensor) and x.dim() != 0 and x.numel() == 1:
+        return x.reshape(())
+    return x
+
+
 def check_number(
-    x: Hyper, what: str, ok: Callable[[float], bool], message: str, short: str = ""
+    x: Any, what: str, ok: Callable[[float], bool], message: str, short: str = ""
 ) -> None:
-    """Validate a float or 0-d tensor hyperparameter; a tensor's value is checked
-    where it can be read (not while compiled or under ``vmap``)."""
+    """Validate a float, a 0-d (or 1-element) tensor or a schedule; a tensor's value is
+    checked where it can be read (not while compiled or under ``vmap``), a schedule's
+    when it is evaluated."""
+    if is_schedule(x):
+        return
     if isinstance(x, Tensor):
         short = short or what
-        if x.dim() != 0:
+        if x.numel() != 1:
             raise ValueError(
-                f"Invalid {what}: a tensor {short} must be 0-d, got shape {tuple(x.shape)}."
+                f"Invalid {what}: a tensor {short} must hold one value (0-d), got shape "
+                f"{tuple(x.shape)}."
             )
         if not torch.is_floating_point(x):
             raise TypeError(
                 f"Invalid {what}: a tensor {short} must be floating point (float64 "
                 f"matches torch.optim exactly), got {x.dtype}."
             )
-        value = plain_value(x)
+        value = plain_value(x.reshape(()))
         if value is not None and not ok(value):
             raise ValueError(message.format(value))
         return
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"Invalid {what}: {x!r}. Use a float or a 0-d tensor.")
+        raise TypeError(f"Invalid {what}: {x!r}. Use a float, a 0-d tensor or a schedule.")
     if not ok(x):
         raise ValueError(message.format(x))
+
+
+def check_bool(x: object, name: str, who: str) -> None:
+    """A bool option given anything but a bool is an error (``nesterov=5e-4`` is a
+    misplaced positional argument, not a truth value)."""
+    if not isinstance(x, bool):
+        raise TypeError(
+            f"{who}: {name} must be a bool, got {x!r} ({type(x).__name__}). Was a number "
+            "passed in its place? funcgrad takes torch.optim's positional order; pass "
+            f"options by keyword ({name}=True)."
+        )
 
 
 HALF = (torch.float16, torch.bfloat16)
@@ -106,12 +152,10 @@ def mask_resolver(mask: DecayMask, who: str) -> Callable[[Params], dict[str, boo
     )
 
 
-def check_lr(lr: LearningRate) -> None:
+def check_lr(lr: Any) -> None:
     """Validate a learning rate: a float >= 0, a 0-d floating tensor, or a schedule."""
-    if isinstance(lr, Tensor):
+    if isinstance(lr, Tensor) or is_schedule(lr):
         check_number(lr, "learning rate", lambda v: v >= 0.0, "Invalid learning rate: {}", "lr")
-    elif callable(lr):
-        pass
     elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
         raise TypeError(
             f"Invalid learning rate: {lr!r}. Use a float, a 0-d tensor, or a schedule "
@@ -121,47 +165,44 @@ def check_lr(lr: LearningRate) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
-def lr_start(lr: LearningRate, like: Tensor) -> Tensor:
-    """An optimizer state's ``lr`` field as :func:`init` makes it, a float64 0-d tensor
-    beside ``like``: a float learning rate itself (the state then *is* the learning
-    rate, as optax's ``inject_hyperparams`` keeps it), 1.0 for a 0-d tensor or a
-    schedule (the state then holds a factor that multiplies it). ``fg.Optimizer``
-    writes its param group's lr into its own state's field; nothing is written into
-    ``tx``, so one ``tx`` may serve any number of optimizers, steps and ranks."""
-    value = 1.0 if isinstance(lr, Tensor) or callable(lr) else float(lr)
-    return torch.tensor(value, dtype=torch.float64, device=like.device)
-
-
-def lr_now(lr: LearningRate, state_lr: Tensor | None, count: Tensor) -> Tensor:
-    """The learning rate of the step after ``count`` steps (float64, 0-d): the state's
-    ``lr`` for a float learning rate, else ``lr_at(lr, count)`` times the state's
-    factor. A state built by hand without the field (``lr=None``) uses ``lr`` as given."""
-    if state_lr is None:
-        return lr_at(lr, count)
-    state_lr = state_lr.to(device=count.device, dtype=torch.float64)
-    if isinstance(lr, Tensor) or callable(lr):
-        return lr_at(lr, count) * state_lr
-    return state_lr
-
-
-def lr_at(lr: LearningRate, count: Tensor) -> Tensor:
-    """The learning rate of the step after ``count`` steps, as a float64 0-d tensor
-    beside ``count``. Schedules see ``count`` as float64, so arithmetic like
-    ``1 / (1 + count)`` stays in double precision, like torch's lr."""
-    value = lr(count.to(torch.float64)) if callable(lr) and not isinstance(lr, Tensor) else lr
-    return as64(value, count)
-
-
-def check_weight_decay(weight_decay: Hyper) -> None:
+def check_weight_decay(weight_decay: Any) -> None:
     """torch.optim's check of ``weight_decay`` (a float or 0-d tensor, >= 0)."""
     check_number(
         weight_decay, "weight_decay value", lambda v: v >= 0.0, "Invalid weight_decay value: {}"
     )
 
 
-def nonzero(x: Hyper) -> bool:
-    """A tensor hyperparameter counts as nonzero (no Python branch on its value)."""
-    return isinstance(x, Tensor) or x != 0.0
+def check_eps(eps: Any) -> None:
+    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
+
+
+def check_momentum(momentum: Any) -> None:
+    check_number(momentum, "momentum value", lambda v: v >= 0.0, "Invalid momentum value: {}")
+
+
+def check_betas(betas: Any, names: tuple[str, str] = ("beta", "beta")) -> None:
+    """A pair of betas in [0, 1): both floats or both tensors, as torch requires."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2).")
+    kinds = {isinstance(b, Tensor) for b in betas}
+    if len(kinds) > 1:
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        check_number(
+            b,
+            f"beta parameter at index {i}",
+            lambda v: 0.0 <= v < 1.0,
+            f"Invalid beta parameter at index {i}: {{}}",
+            names[i],
+        )
+
+
+def nonzero(x: Any) -> bool:
+    """A tensor or schedule hyperparameter counts as nonzero (no Python branch on
+    its value)."""
+    if isinstance(x, (tuple, list)):
+        return any(nonzero(v) for v in x)
+    return isinstance(x, Tensor) or is_schedule(x) or x != 0.0
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -170,24 +211,127 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF else dtype
 
 
-def hyper(x: Hyper) -> Hyper:
-    """A hyperparameter as stored: a tensor as given, a number as a Python float."""
-    return x if isinstance(x, Tensor) else float(x)
+def hyper(x: Any) -> Any:
+    """A hyperparameter as built: a tensor as a 0-d tensor (a view of a 1-element one),
+    a schedule as given, a number as a Python float, a pair as a tuple."""
+    if isinstance(x, (tuple, list)):
+        return tuple(hyper(v) for v in x)
+    if x is None or isinstance(x, Tensor) or is_schedule(x):
+        return scalar(x)
+    return float(x)
 
 
-def slot_fields(state_type: type) -> tuple[str, ...]:
-    """An optimizer state's per-tensor fields: those after ``count``, less ``lr``."""
-    return tuple(f for f in state_type._fields[1:] if f != "lr")  # type: ignore[attr-defined]
+def off_if_zero(x: Any) -> Any:
+    """``None`` (the term is off: not in the update) for a hyperparameter built as
+    exactly zero, else :func:`hyper`'s form."""
+    return hyper(x) if nonzero(x) else None
+
+
+# ---- hyperparameters as state: the values of the next step
+
+
+def start_value(built: Any, like: Tensor) -> Any:
+    """A hyperparameter's entry in the state that ``init`` makes: a float as a float64
+    0-d tensor beside ``like``, a tensor as itself, a schedule's value at count 0."""
+    if isinstance(built, tuple):
+        return tuple(start_value(v, like) for v in built)
+    if built is None or isinstance(built, Tensor):
+        return built
+    if is_schedule(built):
+        return as64(built(torch.zeros((), dtype=torch.float64, device=like.device)), like)
+    return torch.tensor(float(built), dtype=torch.float64, device=like.device)
+
+
+def next_value(built: Any, now: Any, count: Tensor) -> Any:
+    """The entry after a step that ends at ``count`` steps: a schedule's value at
+    ``count``, else the entry as it was."""
+    if isinstance(built, tuple):
+        return tuple(next_value(b, n, count) for b, n in zip(built, now, strict=True))
+    if is_schedule(built):
+        return as64(built(count.to(torch.float64)), count)
+    return now
+
+
+def value64(entry: Any, like: Tensor) -> Any:
+    """A state entry as the float64 0-d tensor a step computes with (None stays None)."""
+    if isinstance(entry, tuple):
+        return tuple(value64(v, like) for v in entry)
+    return None if entry is None else as64(entry, like)
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """What ``tx.facts.optimizer`` says of an optimizer: its name (``"fg.adam"``), its
+    factory and every argument it was built with (``kwargs``, by name: a param group's
+    keys override them), the hyperparameters its state holds (``hyper``, as built) and
+    its state type."""
+
+    who: str
+    state: type
+    hyper: Mapping[str, Any]
+    factory: Callable[..., GradientTransformation] | None = None
+    kwargs: Mapping[str, Any] | None = None
+
+    def rebuild(self, **overrides: Any) -> GradientTransformation:
+        """The same optimizer with some arguments changed (checked as at build)."""
+        assert self.factory is not None and self.kwargs is not None
+        return self.factory(**{**self.kwargs, **overrides})
+
+
+def optimizer(factory: Callable[..., GradientTransformation]) -> Any:
+    """Decorate an optimizer's factory: the transformation it builds records the
+    factory and every argument (defaults filled in) on ``tx.facts.optimizer``, so
+    ``fg.grouped`` and ``fg.Optimizer`` can rebuild it with a param group's values."""
+    params = inspect.signature(factory).parameters
+    defaults = {n: p.default for n, p in params.items()}
+    positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        tx = factory(*args, **kwargs)
+        bound = dict(defaults)
+        bound.update(zip(positional, args))
+        bound.update(kwargs)
+        info = replace(tx.facts.optimizer, factory=build, kwargs=bound)
+        return with_facts(tx, optimizer=info)
+
+    return build
+
+
+# ---- each state type's hyperparameters, checked when set
+
+
+_CHECKS: dict[type, dict[str, Callable[[Any], None]]] = {}
+
+
+def hyperparameters(state_type: type, **checks: Callable[[Any], None]) -> None:
+    """Declare the hyperparameters a state type holds and how a new value is checked
+    (the factory's own check, so the messages are torch's)."""
+    if "hyperparams" not in getattr(state_type, "_fields", ()):
+        raise ValueError(f"hyperparameters: {state_type.__name__} has no hyperparams field.")
+    _CHECKS[state_type] = dict(checks)
+
+
+def check_hyperparameters(state_type: type, **values: Any) -> None:
+    """Check the hyperparameters a factory was given, with the same checks as a set."""
+    checks = _CHECKS[state_type]
+    for name, value in values.items():
+        checks[name](value)
 
 
 def is_optimizer_state(x: object) -> bool:
     """A funcgrad optimizer's state: a NamedTuple whose fields start with ``count``
-    and include ``lr`` (``AdamState``, ``SGDState``, ...)."""
+    and include ``hyperparams`` (``AdamState``, ``SGDState``, ...)."""
     fields: tuple[str, ...] = getattr(type(x), "_fields", ())
-    return isinstance(x, tuple) and bool(fields) and fields[0] == "count" and "lr" in fields
+    return isinstance(x, tuple) and bool(fields) and fields[0] == "count" and "hyperparams" in fields
 
 
-def optimizer_states(state: object) -> list[object]:
+def slot_fields(state_type: type) -> tuple[str, ...]:
+    """An optimizer state's per-tensor fields: those after ``count``, less ``hyperparams``."""
+    return tuple(f for f in state_type._fields[1:] if f != "hyperparams")  # type: ignore[attr-defined]
+
+
+def optimizer_states(state: object) -> list[Any]:
     """Every optimizer state inside ``state`` (through NamedTuples, tuples, lists and
     dicts), in the order :func:`with_optimizer_states` takes replacements."""
     out: list[object] = []
@@ -196,35 +340,154 @@ def optimizer_states(state: object) -> list[object]:
         out.append(s)
         return s
 
-    _walk_states(state, keep)
+    walk_states(state, keep)
     return out
 
 
-def with_optimizer_states(state: object, new: list[object]) -> object:
+def with_optimizer_states(state: object, new: list[Any]) -> Any:
     """``state`` with its optimizer states replaced, in :func:`optimizer_states`' order."""
     it = iter(new)
-    out = _walk_states(state, lambda s: next(it))
-    return out
+    return walk_states(state, lambda s: next(it))
 
 
-def _walk_states(x: Any, fn: Callable[[object], object]) -> Any:
+def walk_states(x: Any, fn: Callable[[Any], Any], group: int = 0) -> Any:
+    """``x`` with ``fn`` applied to each optimizer state inside it. ``fn`` takes the
+    state, or the state and its param group's index (``fg.grouped``) when it takes two
+    arguments."""
+    two = _arity(fn) == 2
+    return _walk(x, fn, two, group)
+
+
+def _arity(fn: Callable[..., Any]) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _walk(x: Any, fn: Callable[..., Any], two: bool, group: int) -> Any:
     if is_optimizer_state(x):
-        return fn(x)
+        return fn(x, group) if two else fn(x)
+    if isinstance(x, ParamGroupsState):
+        return ParamGroupsState(tuple(_walk(c, fn, two, i) for i, c in enumerate(x[0])))
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
-        return type(x)(*(_walk_states(c, fn) for c in x))
+        return type(x)(*(_walk(c, fn, two, group) for c in x))
     if type(x) in (tuple, list):
-        return type(x)(_walk_states(c, fn) for c in x)
+        return type(x)(_walk(c, fn, two, group) for c in x)
     if type(x) is dict:
-        return {k: _walk_states(v, fn) for k, v in x.items()}
+        return {k: _walk(v, fn, two, group) for k, v in x.items()}
     return x
 
 
-def get_lr(state: object) -> list[float]:
-    """The ``lr`` field of every optimizer state inside ``state``, in order.
+def _plain(entry: Any, inside: bool = False) -> Any:
+    if isinstance(entry, tuple):
+        return tuple(_plain(v, True) for v in entry)
+    if entry is None:
+        return None if inside else 0.0
+    return float(entry)
 
-    For an optimizer built with a float learning rate, the field is the learning rate
-    the next step uses; for a schedule or a 0-d tensor learning rate, the factor that
-    multiplies it (1.0 unless changed). The learning rate is state, not part of ``tx``.
+
+def get_hyperparams(state: object) -> list[dict[str, Any]]:
+    """The hyperparameters of every optimizer state inside ``state``, in order: one dict
+    per optimizer, ``name -> value`` (a float; a tuple for ``betas``), each the value the
+    next step uses. A term built off (``weight_decay=0.0``) reads 0.0.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.chain(fg.clip_by_global_norm(1.0), fg.adam(lr=0.01))
+        >>> fg.get_hyperparams(tx.init({"w": torch.zeros(2)}))
+        [{'lr': 0.01, 'betas': (0.9, 0.999), 'eps': 1e-08, 'weight_decay': 0.0}]
+    """
+    return [
+        {k: _plain(v) for k, v in s.hyperparams.items()}
+        for s in optimizer_states(state)
+        if s.hyperparams is not None
+    ]
+
+
+def set_hyperparams(state: object, which: int | None = None, /, **values: Any) -> Any:
+    """``state`` with hyperparameters replaced by name, in every optimizer state inside
+    it (or only the ``which``-th, in :func:`get_hyperparams`' order): a new state, the
+    given one is not changed. Each value is a float or a 0-d (or 1-element) tensor
+    (kept as it is: edit it in place later), checked as the factory checks it; it is
+    the value the next step uses (a schedule then goes on from the step after). A
+    compiled step does not recompile.
+
+    Examples:
+        >>> import torch, funcgrad as fg
+        >>> tx = fg.adam(lr=0.01)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = fg.set_hyperparams(tx.init(params), lr=0.001, betas=(0.8, 0.99))
+        >>> fg.get_hyperparams(state)[0]["betas"]
+        (0.8, 0.99)
+        >>> fg.apply_updates(params, tx.update({"w": torch.ones(2)}, state, params)[0])["w"]
+        tensor([-0.0010, -0.0010])
+    """
+    old = optimizer_states(state)
+    if which is not None and not (isinstance(which, int) and 0 <= which < len(old)):
+        raise IndexError(
+            f"fg.set_hyperparams: which={which!r}, but the state holds {len(old)} optimizer "
+            "states; pass an index in fg.get_hyperparams' order, or None for all."
+        )
+    targets = range(len(old)) if which is None else [which]
+    new = list(old)
+    for i in targets:
+        new[i] = _set(old[i], values, strict=which is not None or len(old) == 1)
+    if which is None and len(old) > 1:
+        known = set().union(*(s.hyperparams or {} for s in old))
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise KeyError(_unknown(unknown, sorted(known)))
+    return with_optimizer_states(state, new)
+
+
+def _unknown(names: list[str], known: list[str]) -> str:
+    return (
+        f"fg.set_hyperparams: no optimizer in the state has {names}; its hyperparameters "
+        f"are {known}."
+    )
+
+
+def _set(s: Any, values: Mapping[str, Any], strict: bool) -> Any:
+    hp = dict(s.hyperparams or {})
+    checks = _CHECKS.get(type(s), {})
+    like = s.count
+    for name, value in values.items():
+        if name not in hp:
+            if strict:
+                raise KeyError(
+                    _unknown([name], sorted(hp))
+                    + f" A term built off ({name}=0.0, or Adafactor's eps=(None, ...)) is not "
+                    "in the state: build the optimizer with it set (a 0-d tensor holding 0.0 "
+                    "starts it at zero and lets you change it later)."
+                )
+            continue
+        value = hyper(value)
+        if is_schedule(value) or (isinstance(value, tuple) and any(map(is_schedule, value))):
+            raise TypeError(
+                f"fg.set_hyperparams: {name} is a schedule; a state holds values. Build the "
+                "optimizer with the schedule instead (fg.adam(lr=fg.cosine_decay(...)))."
+            )
+        checks.get(name, lambda v: None)(value)
+        hp[name] = _entry(hp[name], value, name, type(s).__name__, like)
+    return s._replace(hyperparams=hp)
+
+
+def _entry(old: Any, value: Any, name: str, kind: str, like: Tensor) -> Any:
+    if isinstance(old, tuple):
+        if not (isinstance(value, tuple) and len(value) == len(old)):
+            raise ValueError(f"fg.set_hyperparams: {name} is a pair; got {value!r}.")
+        return tuple(_entry(o, v, name, kind, like) for o, v in zip(old, value, strict=True))
+    if value is None:
+        raise ValueError(f"fg.set_hyperparams: {name} cannot be None here.")
+    if isinstance(value, Tensor):
+        return value.detach() if not value.requires_grad else value
+    return torch.tensor(float(value), dtype=torch.float64, device=like.device)
+
+
+def get_lr(state: object) -> list[float]:
+    """The learning rate of every optimizer state inside ``state``, in order: the value
+    the next step uses (``[h["lr"] for h in fg.get_hyperparams(state)]``).
 
     Examples:
         >>> import torch, funcgrad as fg
@@ -232,13 +495,13 @@ def get_lr(state: object) -> list[float]:
         >>> fg.get_lr(tx.init({"w": torch.zeros(2)}))
         [0.01]
     """
-    return [float(s.lr) for s in optimizer_states(state) if s.lr is not None]  # type: ignore[attr-defined]
+    return [h["lr"] for h in get_hyperparams(state) if "lr" in h]
 
 
-def set_lr(state: object, lr: float | Tensor | list[float | Tensor]) -> object:
-    """``state`` with the ``lr`` field of its optimizer states replaced (a new state;
-    the given one is not changed): one value for all, or a list, one per optimizer
-    state in :func:`get_lr`'s order. See :func:`get_lr` for what the field means.
+def set_lr(state: object, lr: float | Tensor | list[float | Tensor]) -> Any:
+    """``state`` with its learning rates replaced: one value for all optimizer states,
+    or a list, one per optimizer state in :func:`get_lr`'s order (``fg.set_hyperparams``
+    with ``lr=``).
 
     Examples:
         >>> import torch, funcgrad as fg
@@ -247,20 +510,15 @@ def set_lr(state: object, lr: float | Tensor | list[float | Tensor]) -> object:
         >>> state = fg.set_lr(tx.init(params), 0.001)
         >>> fg.get_lr(state)
         [0.001]
-        >>> fg.apply_updates(params, tx.update({"w": torch.ones(2)}, state, params)[0])["w"]
-        tensor([-0.0010, -0.0010])
     """
-    old = optimizer_states(state)
-    values = list(lr) if isinstance(lr, (list, tuple)) else [lr] * len(old)
-    if len(values) != len(old):
+    n = len(optimizer_states(state))
+    if not isinstance(lr, (list, tuple)):
+        return set_hyperparams(state, lr=lr)
+    if len(lr) != n:
         raise ValueError(
-            f"fg.set_lr: the state holds {len(old)} optimizer states, got {len(values)} "
+            f"fg.set_lr: the state holds {n} optimizer states, got {len(lr)} "
             "learning rates; pass one value for all, or one per optimizer (fg.get_lr's order)."
         )
-    new = []
-    for s, v in zip(old, values, strict=True):
-        check_lr(v if isinstance(v, Tensor) else float(v))
-        like = s.count  # type: ignore[attr-defined]
-        t = as64(v, like).detach().reshape(()) if isinstance(v, Tensor) else as64(float(v), like)
-        new.append(s._replace(lr=t))  # type: ignore[attr-defined]
-    return with_optimizer_states(state, new)
+    for i, v in enumerate(lr):
+        state = set_hyperparams(state, i, lr=v)
+    return state

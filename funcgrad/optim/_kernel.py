@@ -1,8 +1,10 @@
 """The one optimizer kernel: every optimizer's step written once, per tensor.
 
 An optimizer here is a :class:`Spec`: its state type (a NamedTuple ``count`` first,
-then one dict per kind of slot, e.g. ``momentum_buffer``), how each slot starts, the
-step's scalars (learning rate, bias corrections) as float64 0-d tensors, and a
+then one dict per kind of slot, e.g. ``momentum_buffer``, and its ``hyperparams``),
+how each slot starts, its hyperparameters as built, the step's scalars (learning
+rate, bias corrections) as float64 0-d tensors computed from the state's
+hyperparameters (funcgrad/optim/_hparams.py), and a
 *kernel*: the update of one tensor from its gradient, parameter and slots, computed
 through the operations :class:`Ops` gives it. :func:`build` turns it into a
 ``GradientTransformation`` that
@@ -45,21 +47,22 @@ from ..core._base import (
     Params,
     check_floating,
     check_state,
-    has_lr,
     params_device,
     shardable,
+    with_facts,
 )
 from ..core._compose import composing
 from ..core._fusion import realize
 from ..core._scratch import BIG, Scratch, borrowing
 from ._hparams import (
     DecayMask,
-    LearningRate,
+    OptimizerInfo,
     compute_dtype,
-    lr_now,
-    lr_start,
     mask_resolver,
+    next_value,
     slot_fields,
+    start_value,
+    value64,
 )
 
 Scalars = dict[str, Tensor]
@@ -172,10 +175,20 @@ class Lists(Ops):
             return True
         return tensor_ok and isinstance(x, Tensor) and x.dim() == 0
 
+    @staticmethod
+    def _number(x: Any) -> Any:
+        """A 0-d CPU tensor scalar as a Python float, for the ``_foreach_*`` overloads
+        that take no tensor: the op casts it to its dtype, as the tensor's value was."""
+        if isinstance(x, Tensor) and x.dim() == 0 and x.device.type == "cpu":
+            return x.item()
+        return x
+
     def _binary(
         self, fn: Callable[..., Tensor], many: Callable[..., Any], a: Any, b: Any,
         tensor_ok: bool, commutes: bool,
     ) -> Any:  # fmt: skip
+        if not tensor_ok:
+            b = self._number(b)
         if isinstance(a, list) and (isinstance(b, list) or self._scalar(b, tensor_ok)):
             return list(many(a, b))
         if commutes and isinstance(b, list) and self._scalar(a, tensor_ok):
@@ -195,6 +208,7 @@ class Lists(Ops):
         return self._binary(torch.div, torch._foreach_div, a, b, True, False)
 
     def lerp(self, a: Any, b: Any, weight: Any) -> Any:
+        weight = self._number(weight)
         if isinstance(a, list) and isinstance(b, list) and self._scalar(weight, False):
             return list(torch._foreach_lerp(a, b, weight))
         return self._each(torch.lerp, a, b, weight)
@@ -219,6 +233,8 @@ class Lists(Ops):
     def _inplace(
         self, many: Callable[..., Any], method: str, a: Any, b: Any, tensor_ok: bool
     ) -> Any:
+        if not tensor_ok:
+            b = self._number(b)
         if isinstance(b, list) or self._scalar(b, tensor_ok):
             many(a, b)
         else:
@@ -269,8 +285,10 @@ class Spec(NamedTuple):
     ``slots``: the state fields in use, each with how it starts from a tensor (a
     whole buffer or one parameter); ``None`` means the tensor has no such slot
     (Adafactor: row factors only for matrices). Fields of ``state`` not in ``slots``
-    stay empty dicts. ``scalars(count, lr)``: the step's float64 scalars, ``count``
-    the new step count (1 on the first step). ``needs_params``: the kernel reads the
+    stay empty dicts. ``hyper``: the hyperparameters the state holds, as built
+    (``_hparams.hyper``; ``None`` where a term is off). ``scalars(count, hp)``: the
+    step's float64 scalars, ``count`` the new step count (1 on the first step), ``hp``
+    the state's hyperparameters as float64 0-d tensors. ``needs_params``: the kernel reads the
     parameters (weight decay, Adafactor's scale). ``elementwise``: each output entry
     depends only on the same entry of the inputs, so the kernel may run on whole
     flat buffers. ``has_decay``: the optimizer has weight decay, applied where
@@ -285,9 +303,9 @@ class Spec(NamedTuple):
     who: str
     state: Any  # a NamedTuple class: count, then the slot fields
     slots: Mapping[str, Callable[[Tensor], Tensor | None]]
-    scalars: Callable[[Tensor, Tensor], dict[str, Tensor]]
+    scalars: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]]
     kernel: Kernel
-    lr: LearningRate
+    hyper: Mapping[str, Any]
     needs_params: bool
     elementwise: bool
     has_decay: bool = False
@@ -297,15 +315,19 @@ class Spec(NamedTuple):
 
 def build(spec: Spec) -> GradientTransformation:
     """The transformation of ``spec`` (see the module docstring)."""
+    spec = spec._replace(hyper=in_state(spec.hyper))
     who, fields = spec.who, slot_fields(spec.state)
     decays = mask_resolver(spec.mask, who)
+
+    def start(count: Tensor) -> dict[str, Any]:
+        return {k: start_value(v, count) for k, v in spec.hyper.items()}
 
     def init(params: Params) -> Any:
         check_floating(params, f"{who}.init")
         decays(params)  # a mask for other parameters fails here, not at the first step
         count = torch.zeros((), dtype=torch.int64, device=params_device(params))
         slots = (_start(spec, f, params) for f in fields)
-        return spec.state(count, *slots, lr=lr_start(spec.lr, count))
+        return spec.state(count, *slots, hyperparams=start(count))
 
     def update(grads: Params, state: Any, params: Params | None = None) -> tuple[Params, Any]:
         check_state(state, spec.state, who)
@@ -317,7 +339,9 @@ def build(spec: Spec) -> GradientTransformation:
             )
         decay = decays(params) if spec.has_decay and params is not None else {}
         count = state.count + 1
-        s64 = spec.scalars(count, lr_now(spec.lr, state.lr, state.count))
+        hp = state.hyperparams if state.hyperparams is not None else start(state.count)
+        _check_hyper(spec, hp)
+        s64 = spec.scalars(count, {k: value64(v, count) for k, v in hp.items()})
         slots = {f: getattr(state, f) for f in spec.slots}
         layout = flat.layout_of(grads, params, *slots.values())
         per_buffer = (
@@ -352,21 +376,46 @@ def build(spec: Spec) -> GradientTransformation:
                 f: flat.like(t, flat.layout_of(slots[f]) if spec.elementwise else None)
                 for f, t in new.items()
             }
-        return updates, spec.state(count, *(moved.get(f, {}) for f in fields), lr=state.lr)
+        after = {k: next_value(spec.hyper[k], v, count) for k, v in hp.items()}
+        return updates, spec.state(count, *(moved.get(f, {}) for f in fields), hyperparams=after)
 
     # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
     # pieces do not keep (fg.sharded then splits by rows)
-    tx = has_lr(GradientTransformation(init, update), spec.lr)
-    return shardable(tx, by_entry=spec.elementwise and not callable(spec.mask))
+    tx = shardable(
+        GradientTransformation(init, update),
+        by_entry=spec.elementwise and not callable(spec.mask),
+    )
+    return with_facts(tx, optimizer=OptimizerInfo(who, spec.state, dict(spec.hyper)))
+
+
+def in_state(hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyperparameters a state holds: those not built off (``None``, or a pair
+    holding ``None``: Adafactor's machine epsilon)."""
+    return {
+        k: v for k, v in hyper.items()
+        if v is not None and not (isinstance(v, tuple) and None in v)
+    }  # fmt: skip
+
+
+def _check_hyper(spec: Spec, hp: Mapping[str, Any]) -> None:
+    """The state's hyperparameters are this optimizer's (a term built off is in
+    neither)."""
+    if hp.keys() != spec.hyper.keys():
+        raise KeyError(
+            f"{spec.who}.update: the state's hyperparameters {sorted(hp)} do not fit this "
+            f"{spec.who}'s {sorted(spec.hyper)}. Was the state built by another "
+            "transformation, or with other options (a term built off, such as "
+            "weight_decay=0.0, is not in the state)?"
+        )
 
 
 def elementwise(
     who: str,
     state: Any,
     slots: Mapping[str, Callable[[Tensor], Tensor | None]],
-    scalars: Callable[[Tensor, Tensor], dict[str, Tensor]],
+    scalars: Callable[[Tensor, dict[str, Any]], dict[str, Tensor]],
     kernel: Kernel,
-    lr: LearningRate,
+    hyper: Mapping[str, Any],
     has_decay: bool,
     mask: DecayMask,
     multi_tensor: bool = True,
@@ -374,7 +423,7 @@ def elementwise(
     """The transformation of an elementwise optimizer (SGD, RMSprop, Adagrad, Lion,
     Adam): a :class:`Spec` whose kernel reads the parameters only for weight decay."""
     spec = Spec(
-        who, state, slots, scalars, kernel, lr, needs_params=has_decay, elementwise=True,
+        who, state, slots, scalars, kernel, hyper, needs_params=has_decay, elementwise=True,
         has_decay=has_decay, mask=mask, multi_tensor=multi_tensor,
     )  # fmt: skip
     return build(spec)

@@ -5,6 +5,7 @@ The update math is in :func:`lion`'s docstring (rendered on the API site)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -16,12 +17,15 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
-    as64,
+    check_hyperparameters,
     check_lr,
     check_number,
     check_weight_decay,
     hyper,
-    nonzero,
+    hyperparameters,
+    off_if_zero,
+    optimizer,
+    scalar,
 )
 from ._kernel import Entry, elementwise
 
@@ -31,17 +35,36 @@ class LionState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: dict[str, Tensor]
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None  # lr, b1, b2, weight_decay (_hparams)
 
 
-invariants(LionState, count="nonnegative", mu="finite", lr="finite nonnegative")
+def _check_beta(i: int, name: str) -> Callable[[Any], None]:
+    def check(b: Any) -> None:
+        check_number(
+            b, f"beta parameter at index {i}", lambda v: 0.0 <= v < 1.0,
+            f"Invalid beta parameter at index {i}: {{}}", name,
+        )  # fmt: skip
+
+    return check
 
 
+invariants(LionState, count="nonnegative", mu="finite", hyperparams="finite")
+hyperparameters(
+    LionState,
+    lr=check_lr,
+    b1=_check_beta(0, "b1"),
+    b2=_check_beta(1, "b2"),
+    weight_decay=check_weight_decay,
+)
+
+
+@optimizer
 def lion(
     lr: LearningRate = 1e-4,
     b1: Hyper = 0.9,
     b2: Hyper = 0.99,
     weight_decay: Hyper = 0.0,
+    *,
     mask: DecayMask = None,
 ) -> GradientTransformation:
     r"""Lion: the sign of an interpolated momentum, as optax's ``lion``.
@@ -65,21 +88,16 @@ def lion(
         >>> updates
         {'w': tensor([-0.1000,  0.1000, -0.1000])}
     """
-    check_lr(lr)
-    for i, (b, n) in enumerate(((b1, "b1"), (b2, "b2"))):
-        check_number(
-            b, f"beta parameter at index {i}", lambda v: 0.0 <= v < 1.0,
-            f"Invalid beta parameter at index {i}: {{}}", n,
-        )  # fmt: skip
-    check_weight_decay(weight_decay)
-    h1, h2, wd = hyper(b1), hyper(b2), hyper(weight_decay)
-    has_decay = nonzero(wd)
+    lr, b1, b2, weight_decay = map(scalar, (lr, b1, b2, weight_decay))
+    check_hyperparameters(LionState, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay)
+    wd = off_if_zero(weight_decay)
+    has_decay = wd is not None
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
-        s = {"neg_lr": -lr_t, "b1": as64(h1, count), "b2": as64(h2, count)}
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
+        s = {"neg_lr": -hp["lr"], "b1": hp["b1"], "b2": hp["b2"]}
         s["c1"], s["c2"] = 1.0 - s["b1"], 1.0 - s["b2"]
         if has_decay:
-            s["wd"] = as64(wd, count)
+            s["wd"] = hp["weight_decay"]
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
@@ -91,6 +109,7 @@ def lion(
             u = o.add(u, o.mul(s["wd"], p))
         return o.mul(u, s["neg_lr"]), {"mu": o.add(o.mul(s["c2"], g), o.mul(s["b2"], mu))}
 
+    hp = {"lr": hyper(lr), "b1": hyper(b1), "b2": hyper(b2), "weight_decay": wd}
     return elementwise(
-        "fg.lion", LionState, {"mu": torch.zeros_like}, scalars, kernel, lr, has_decay, mask
+        "fg.lion", LionState, {"mu": torch.zeros_like}, scalars, kernel, hp, has_decay, mask
     )

@@ -10,10 +10,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, Params, shardable
+from ..core._base import GradientTransformation, Params
 from ..core._invariants import invariants
 from ..rules import _rule_base as rb
-from ._hparams import DecayMask, Hyper, LearningRate, as64, check_lr, check_number, hyper, nonzero
+from ._hparams import (
+    DecayMask,
+    Hyper,
+    LearningRate,
+    check_bool,
+    check_eps,
+    check_hyperparameters,
+    check_lr,
+    check_number,
+    hyper,
+    hyperparameters,
+    off_if_zero,
+    optimizer,
+    scalar,
+)
 from ._kernel import Entry, Spec, build
 
 
@@ -22,16 +36,27 @@ class MuonState(NamedTuple):
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     momentum_buffer: dict[str, Tensor]
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None  # lr, weight_decay, momentum, eps (_hparams)
 
 
-invariants(MuonState, count="nonnegative", momentum_buffer="finite", lr="finite nonnegative")
+invariants(MuonState, count="nonnegative", momentum_buffer="finite", hyperparams="finite")
+hyperparameters(
+    MuonState,
+    lr=check_lr,
+    weight_decay=lambda v: check_number(
+        v, "weight decay", lambda x: x >= 0.0, "weight decay should be >= 0 but is: {}"
+    ),
+    momentum=lambda v: check_number(
+        v, "momentum", lambda x: x >= 0.0, "momentum should be >= 0 but is: {}"
+    ),
+    eps=check_eps,
+)
 
 _RATIOS = (None, "original", "match_rms_adamw")
 
 
 def orthogonalize(
-    m: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    m: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float | Tensor
 ) -> Tensor:
     """Newton–Schulz iteration towards the nearest semi-orthogonal matrix, in bfloat16,
     the operations of ``torch.optim.Muon`` in its order."""
@@ -65,15 +90,17 @@ def _check_matrices(params: Params) -> None:
         )
 
 
+@optimizer
 def muon(
     lr: LearningRate = 1e-3,
     weight_decay: Hyper = 0.1,
     momentum: Hyper = 0.95,
     nesterov: bool = True,
     ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-    eps: float = 1e-7,
+    eps: Hyper = 1e-7,
     ns_steps: int = 5,
     adjust_lr_fn: str | None = None,
+    *,
     mask: DecayMask = None,
 ) -> GradientTransformation:
     r"""Muon, equal step for step to ``torch.optim.Muon`` with the same arguments.
@@ -108,11 +135,9 @@ def muon(
         >>> round(float(torch.linalg.matrix_norm(updates["w"], ord=2)), 2)  # about lr
         0.02
     """
-    check_lr(lr)
-    check_number(momentum, "momentum", lambda v: v >= 0.0, "momentum should be >= 0 but is: {}")
-    check_number(
-        weight_decay, "weight decay", lambda v: v >= 0.0, "weight decay should be >= 0 but is: {}"
-    )
+    lr, weight_decay, momentum, eps = map(scalar, (lr, weight_decay, momentum, eps))
+    check_hyperparameters(MuonState, lr=lr, weight_decay=weight_decay, momentum=momentum, eps=eps)
+    check_bool(nesterov, "nesterov", "fg.muon")
     if adjust_lr_fn not in _RATIOS:
         raise ValueError(
             f"Adjust learning rate function {adjust_lr_fn} is not supported; use None, "
@@ -122,16 +147,15 @@ def muon(
         raise ValueError(f"Coefficients must be a tuple of exactly 3 values: {ns_coefficients!r}")
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
         raise ValueError(f"Invalid ns_steps: {ns_steps!r}; expected an int in [0, 100).")
-    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
     coeffs = (float(ns_coefficients[0]), float(ns_coefficients[1]), float(ns_coefficients[2]))
-    m, wd = hyper(momentum), hyper(weight_decay)
-    has_decay = nonzero(wd)
+    wd = off_if_zero(weight_decay)
+    has_decay = wd is not None
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
-        mom = as64(m, count)
-        s = {"lr": lr_t, "momentum": mom, "one_minus_momentum": 1.0 - mom}
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
+        mom = hp["momentum"]
+        s = {"lr": hp["lr"], "momentum": mom, "one_minus_momentum": 1.0 - mom, "eps": hp["eps"]}
         if has_decay:
-            s["neg_lr_wd"] = -lr_t * as64(wd, count)
+            s["neg_lr_wd"] = -hp["lr"] * hp["weight_decay"]
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
@@ -143,7 +167,7 @@ def muon(
         shards = rb.shards()  # fg.sharded: the whole matrix, this rank's rows of O
 
         def ortho(whole: dict[str, Tensor]) -> dict[str, Tensor]:
-            return {e.name: orthogonalize(whole[e.name], coeffs, ns_steps, float(eps))}
+            return {e.name: orthogonalize(whole[e.name], coeffs, ns_steps, s["eps"])}
 
         o = ortho({e.name: mom}) if shards is None else shards.on_whole(ortho, {e.name: mom})
         cols = g.shape[-1]
@@ -161,7 +185,10 @@ def muon(
             slots={"momentum_buffer": torch.zeros_like},
             scalars=scalars,
             kernel=kernel,
-            lr=lr,
+            hyper={
+                "lr": hyper(lr), "weight_decay": wd, "momentum": hyper(momentum),
+                "eps": hyper(eps),
+            },  # fmt: skip
             needs_params=has_decay,
             elementwise=False,
             has_decay=has_decay,
@@ -173,4 +200,4 @@ def muon(
         _check_matrices(params)
         return build_tx.init(params)  # type: ignore[no-any-return]
 
-    return shardable(GradientTransformation(init, build_tx.update))
+    return GradientTransformation(init, build_tx.update, build_tx.facts)

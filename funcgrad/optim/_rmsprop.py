@@ -14,12 +14,18 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
-    as64,
+    check_bool,
+    check_eps,
+    check_hyperparameters,
     check_lr,
+    check_momentum,
     check_number,
     check_weight_decay,
     hyper,
-    nonzero,
+    hyperparameters,
+    off_if_zero,
+    optimizer,
+    scalar,
 )
 from ._kernel import Entry, elementwise
 
@@ -33,7 +39,7 @@ class RMSpropState(NamedTuple):
     square_avg: dict[str, Tensor]
     momentum_buffer: dict[str, Tensor]
     grad_avg: dict[str, Tensor]
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None  # lr, alpha, eps, weight_decay, momentum (_hparams)
 
 
 invariants(
@@ -42,10 +48,19 @@ invariants(
     square_avg="finite nonnegative",
     momentum_buffer="finite",
     grad_avg="finite",
-    lr="finite nonnegative",
+    hyperparams="finite",
+)
+hyperparameters(
+    RMSpropState,
+    lr=check_lr,
+    alpha=lambda v: check_number(v, "alpha value", lambda x: x >= 0.0, "Invalid alpha value: {}"),
+    eps=check_eps,
+    weight_decay=check_weight_decay,
+    momentum=check_momentum,
 )
 
 
+@optimizer
 def rmsprop(
     lr: LearningRate = 1e-2,
     alpha: Hyper = 0.99,
@@ -53,6 +68,7 @@ def rmsprop(
     weight_decay: Hyper = 0.0,
     momentum: Hyper = 0.0,
     centered: bool = False,
+    *,
     maximize: bool = False,
     mask: DecayMask = None,
 ) -> GradientTransformation:
@@ -68,9 +84,9 @@ def rmsprop(
         b_t  = momentum * b_{t-1} + g_t / d_t         if momentum != 0
         u_t  = -lr * b_t                              if momentum != 0, else -lr * g_t / d_t
 
-    ``lr``: a float, a 0-d tensor or a
-    schedule; the other numbers floats or 0-d tensors. ``mask``: where weight decay
-    applies (as ``fg.adamw``'s).
+    torch's arguments in its positional order (``maximize``, ``mask`` keyword-only);
+    the numbers are floats, 0-d tensors or schedules, held in the state
+    (``fg.set_hyperparams``). ``mask``: where weight decay applies (as ``fg.adamw``'s).
 
     Examples:
         >>> import torch, funcgrad as fg
@@ -80,21 +96,22 @@ def rmsprop(
         >>> updates  # -0.01 * 2 / sqrt(0.5 * 4)
         {'w': tensor([-0.0141])}
     """
-    check_lr(lr)
-    check_number(eps, "epsilon value", lambda v: v >= 0.0, "Invalid epsilon value: {}")
-    check_number(momentum, "momentum value", lambda v: v >= 0.0, "Invalid momentum value: {}")
-    check_weight_decay(weight_decay)
-    check_number(alpha, "alpha value", lambda v: v >= 0.0, "Invalid alpha value: {}")
-    a, e, wd, m = hyper(alpha), hyper(eps), hyper(weight_decay), hyper(momentum)
-    has_decay, has_momentum = nonzero(wd), nonzero(m)
+    lr, alpha, eps, weight_decay, momentum = map(scalar, (lr, alpha, eps, weight_decay, momentum))
+    check_hyperparameters(
+        RMSpropState, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum
+    )
+    check_bool(centered, "centered", "fg.rmsprop")
+    check_bool(maximize, "maximize", "fg.rmsprop")
+    wd, m = off_if_zero(weight_decay), off_if_zero(momentum)
+    has_decay, has_momentum = wd is not None, m is not None
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
-        s = {"neg_lr": -lr_t, "alpha": as64(a, count), "eps": as64(e, count)}
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
+        s = {"neg_lr": -hp["lr"], "alpha": hp["alpha"], "eps": hp["eps"]}
         s["one_minus_alpha"] = 1.0 - s["alpha"]
         if has_decay:
-            s["wd"] = as64(wd, count)
+            s["wd"] = hp["weight_decay"]
         if has_momentum:
-            s["momentum"] = as64(m, count)
+            s["momentum"] = hp["momentum"]
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
@@ -124,4 +141,8 @@ def rmsprop(
         slots["momentum_buffer"] = torch.zeros_like
     if centered:
         slots["grad_avg"] = torch.zeros_like
-    return elementwise("fg.rmsprop", RMSpropState, slots, scalars, kernel, lr, has_decay, mask)
+    hp = {
+        "lr": hyper(lr), "alpha": hyper(alpha), "eps": hyper(eps), "weight_decay": wd,
+        "momentum": m,
+    }  # fmt: skip
+    return elementwise("fg.rmsprop", RMSpropState, slots, scalars, kernel, hp, has_decay, mask)

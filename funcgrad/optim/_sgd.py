@@ -15,34 +15,50 @@ from ._hparams import (
     DecayMask,
     Hyper,
     LearningRate,
-    as64,
+    check_bool,
+    check_hyperparameters,
     check_lr,
+    check_momentum,
     check_number,
     check_weight_decay,
     hyper,
+    hyperparameters,
     nonzero,
+    off_if_zero,
+    optimizer,
+    scalar,
 )
 from ._kernel import Entry, elementwise
 
 
 class SGDState(NamedTuple):
-    """State of :func:`sgd`: ``count`` (int64 0-d, steps taken) and the momentum
-    buffers (an empty dict without momentum)."""
+    """State of :func:`sgd`: ``count`` (int64 0-d, steps taken), the momentum buffers
+    (an empty dict without momentum) and ``hyperparams`` (``lr``, ``momentum``,
+    ``dampening``, ``weight_decay``: the values of the next step)."""
 
     count: Tensor  # type: ignore[assignment]  # shadows tuple.count, as in optax
     momentum_buffer: dict[str, Tensor]
-    lr: Any = None  # float64 0-d: the learning rate, or its factor (_hparams.lr_start)
+    hyperparams: Any = None
 
 
-invariants(SGDState, count="nonnegative", momentum_buffer="finite", lr="finite nonnegative")
+invariants(SGDState, count="nonnegative", momentum_buffer="finite", hyperparams="finite")
+hyperparameters(
+    SGDState,
+    lr=check_lr,
+    momentum=check_momentum,
+    dampening=lambda v: check_number(v, "dampening value", lambda x: True, ""),
+    weight_decay=check_weight_decay,
+)
 
 
+@optimizer
 def sgd(
     lr: LearningRate = 1e-3,
     momentum: Hyper = 0.0,
     dampening: Hyper = 0.0,
-    nesterov: bool = False,
     weight_decay: Hyper = 0.0,
+    nesterov: bool = False,
+    *,
     maximize: bool = False,
     mask: DecayMask = None,
 ) -> GradientTransformation:
@@ -60,11 +76,12 @@ def sgd(
     (the middle three lines only with ``momentum != 0``). The first step copies the
     gradient into the buffer, as torch does: the state's ``count`` says which step it is.
 
-    ``lr`` is a float, a 0-d tensor or
-    a schedule ``count -> lr``; ``momentum``, ``dampening`` and ``weight_decay`` are
-    floats or 0-d tensors (learnable under ``torch.func.grad``). ``mask`` says where
-    weight decay applies (``fg.adamw``'s ``mask``): equal to ``torch.optim.SGD`` with a
-    decay and a no-decay param group.
+    The arguments are torch's, in its positional order (``fg.sgd(0.1, 0.9, 0.0, 5e-4)``
+    is ``lr, momentum, dampening, weight_decay``); ``maximize`` and ``mask`` are
+    keyword-only. ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` are floats,
+    0-d tensors (learnable under ``torch.func.grad``) or schedules, held in the state
+    (``fg.set_hyperparams``). ``mask`` says where weight decay applies (``fg.adamw``'s
+    ``mask``): equal to ``torch.optim.SGD`` with a decay and a no-decay param group.
 
     Examples:
         >>> import torch, funcgrad as fg
@@ -77,23 +94,24 @@ def sgd(
         >>> params  # buffer 1 then 1.9 (times the gradient): 1 - 0.1 - 0.19
         {'w': tensor([ 0.7100, -1.5800])}
     """
-    check_lr(lr)
-    check_number(momentum, "momentum value", lambda v: v >= 0.0, "Invalid momentum value: {}")
-    check_number(dampening, "dampening value", lambda v: True, "")
-    check_weight_decay(weight_decay)
-    has_momentum = nonzero(momentum)
+    lr, momentum, dampening, weight_decay = map(scalar, (lr, momentum, dampening, weight_decay))
+    check_hyperparameters(
+        SGDState, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay
+    )
+    check_bool(nesterov, "nesterov", "fg.sgd")
+    check_bool(maximize, "maximize", "fg.sgd")
+    m, wd = off_if_zero(momentum), off_if_zero(weight_decay)
+    has_momentum, has_decay = m is not None, wd is not None
     if nesterov and (not has_momentum or nonzero(dampening)):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    m, damp, wd = hyper(momentum), hyper(dampening), hyper(weight_decay)
-    has_decay = nonzero(wd)
 
-    def scalars(count: Tensor, lr_t: Tensor) -> dict[str, Tensor]:
-        s = {"neg_lr": -lr_t}
+    def scalars(count: Tensor, hp: dict[str, Any]) -> dict[str, Tensor]:
+        s = {"neg_lr": -hp["lr"]}
         if has_decay:
-            s["wd"] = as64(wd, count)
+            s["wd"] = hp["weight_decay"]
         if has_momentum:
-            s["momentum"] = as64(m, count)
-            s["keep"] = 1.0 - as64(damp, count)
+            s["momentum"] = hp["momentum"]
+            s["keep"] = 1.0 - hp["dampening"]
             s["first"] = (count == 1).to(torch.float64)
         return s
 
@@ -111,13 +129,14 @@ def sgd(
         g = o.add(g, o.mul(s["momentum"], buf)) if nesterov else buf
         return o.mul(g, s["neg_lr"]), {"momentum_buffer": buf}
 
+    hp = {"lr": hyper(lr), "momentum": m, "dampening": hyper(dampening), "weight_decay": wd}
     return elementwise(
         "fg.sgd",
         SGDState,
         {"momentum_buffer": torch.zeros_like} if has_momentum else {},
         scalars,
         kernel,
-        lr,
+        hp,
         has_decay,
         mask,
     )

@@ -44,7 +44,6 @@ __all__ = [
     "any_zero",
     "clip_norm",
     "fill",
-    "identity",
     "norm_above",
     "replace_nonfinite",
     "replace_zeros",

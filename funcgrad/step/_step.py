@@ -50,7 +50,6 @@ from ..core._base import (
     Params,
     State,
     apply_updates,
-    ghost,
     updates_as_params,
 )
 from ..core._compose import transform_active
@@ -97,7 +96,7 @@ def _gradients(
             return grads, loss, None, aux
 
         return plain
-    how = ghost(per_sample)
+    how = per_sample.facts.ghost if isinstance(per_sample, GradientTransformation) else None
     if how is not None:  # fg.ghost_clip: from per-sample norms, no per-sample gradients
         return ghost_gradients(loss_fn, has_aux, *how)
     batched = vmapped_grads(loss_fn, has_aux, each=per_sample)

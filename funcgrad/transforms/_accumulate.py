@@ -129,4 +129,9 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
         new_acc = _compat.tree_map(lambda a: torch.where(done, 0.0, a), acc)
         return updates, AccumulateState(torch.where(done, 0, n), new_acc, inner)
 
-    return shardable(GradientTransformation(init, update), tx, by_entry=True)
+    return shardable(
+        GradientTransformation(init, update),
+        tx,
+        by_entry=True,
+        remake=lambda parts: accumulate(parts[0], every),
+    )

@@ -3,7 +3,7 @@ per-sample norms: :func:`ghost_clip`."""
 
 from __future__ import annotations
 
-from ..core._base import GradientTransformation, Params, ghost, shardable, stateless
+from ..core._base import GradientTransformation, Params, shardable, stateless, with_facts
 from ..core._flat import Flat, by_buffer, from_buffers
 from ..rules import _rule_base as _rb
 from ..rules import clip_norm
@@ -80,4 +80,4 @@ def ghost_clip(max_norm: float, reduction: str = "mean") -> GradientTransformati
     m = _rb.number(max_norm, "fg.ghost_clip: max_norm")
     if not m > 0:
         raise ValueError(f"fg.ghost_clip: max_norm must be > 0, got {m}.")
-    return ghost(clip_by_global_norm(m), (float(m), reduction))
+    return with_facts(clip_by_global_norm(m), ghost=(float(m), reduction))

@@ -75,4 +75,9 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
             ok,
         )
 
-    return shardable(GradientTransformation(init, update), tx, by_entry=True)
+    return shardable(
+        GradientTransformation(init, update),
+        tx,
+        by_entry=True,
+        remake=lambda parts: skip_if_nonfinite(parts[0]),
+    )
