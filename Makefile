@@ -39,7 +39,7 @@ test: lint
 # corrupts its heap (benchmarks/repro_inductor_isa_cache.py).
 OTHER_CPU_TESTS := tests/test_examples.py tests/test_checkpoint.py tests/test_adam.py \
 	tests/test_rules.py tests/test_optimizer_class.py tests/test_low_precision.py \
-	tests/test_optimizers_everywhere.py tests/test_lr_state.py \
+	tests/test_optimizers_everywhere.py tests/test_lr_state.py tests/test_optim_db.py \
 	tests/test_flat.py::test_checkpoint_written_before_the_flat_layout_loads_and_resumes
 OTHER_CPU ?= MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2
 

@@ -54,8 +54,8 @@ from .optim._hparams import set_lr as set_lr
 from .optim._lion import LionState as LionState
 from .optim._lion import lion as lion
 from .optim._muon import MuonState as MuonState
-from .optim._param_groups import grouped as grouped
 from .optim._muon import muon as muon
+from .optim._param_groups import grouped as grouped
 from .optim._rmsprop import RMSpropState as RMSpropState
 from .optim._rmsprop import rmsprop as rmsprop
 from .optim._schedules import cosine_decay as cosine_decay

@@ -98,9 +98,9 @@ class Optimizer(torch.optim.Optimizer):
         >>> model(torch.ones(3, 2)).sum().backward()
         >>> opt.step(); sched.step(); opt.zero_grad()
         >>> [round(g["betas"][0], 4) for g in opt.param_groups]  # OneCycleLR cycles beta1
-        [0.9496, 0.9496]
-        >>> [h["weight_decay"] for h in fg.get_hyperparams(opt.tx_state)]
-        [0.1, 0.0]
+        [0.9, 0.9]
+        >>> [h.get("weight_decay") for h in fg.get_hyperparams(opt.tx_state)]  # 0.0: built off
+        [0.1, None]
     """
 
     def __init__(
@@ -397,7 +397,9 @@ class _Core:
 
         keys = [{k: v for k, v in g.items() if given(i, k, v)} for i, g in enumerate(groups)]
         if not self.infos:
-            if len(groups) > 1 or any(not _same(v, self.owner.defaults[k]) for k, v in keys[0].items()):
+            if len(groups) > 1 or any(
+                not _same(v, self.owner.defaults[k]) for k, v in keys[0].items()
+            ):
                 raise TypeError(
                     "fg.Optimizer: tx holds no funcgrad optimizer (fg.adam, fg.sgd, ...) whose "
                     "hyperparameters param groups could set; use one param group."
@@ -430,7 +432,9 @@ class _Core:
         state = fresh if self.state is None else carry(self.state, fresh, self.scheduled)
         self.adopt(full, self.reduced(state), groups)
 
-    def adopt(self, full: GradientTransformation, state: State, groups: list[dict[str, Any]]) -> None:
+    def adopt(
+        self, full: GradientTransformation, state: State, groups: list[dict[str, Any]]
+    ) -> None:
         self.full, self.state = full, state
         self.shown = [dict(g) for g in groups]
         self.built = [dict(g) for g in groups]
@@ -485,7 +489,7 @@ class _Core:
             ratio = ratios[index["n"] % len(ratios)] if key == "lr" else 1.0
             return s._replace(hyperparams={**s.hyperparams, key: _as_entry(value, ratio, s, key)})
 
-        self.state = walk_states(self.state, write)
+        self.state = walk_states(self.state, write, indexed=True)
 
     def pull(self, groups: list[dict[str, Any]]) -> None:
         """Show each scheduled hyperparameter's next value in the groups."""
@@ -497,7 +501,7 @@ class _Core:
             states.setdefault(i, s)
             return s
 
-        walk_states(self.state, first)
+        walk_states(self.state, first, indexed=True)
         for i, g in enumerate(groups):
             s = states.get(i)
             if s is None or s.hyperparams is None:
@@ -526,7 +530,7 @@ class _Core:
 
     def _check_frozen(self) -> None:
         for name, p in self.owner._frozen:
-            if p.requires_grad and p.grad is not None:
+            if p.grad is not None:  # unfrozen since, or a .grad written by hand
                 raise ValueError(
                     f"fg.Optimizer.step: '{name}' was frozen (requires_grad=False) when it was "
                     "given to the optimizer, which left it out, and has a gradient now. Add "

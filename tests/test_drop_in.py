@@ -191,7 +191,7 @@ def test_param_groups_and_a_group_added_mid_training_equal_torch(name):
     rtol = 1e-5 if name == "muon" else 1e-12  # bfloat16 Newton-Schulz, as torch's
     if matrices:  # Muon takes the weight matrices; the biases are frozen in both
         for m in (a, b):
-            for p in biases(m) + [m[4].bias]:
+            for p in [*biases(m), m[4].bias]:
                 p.requires_grad_(False)
 
     def add(m):
@@ -229,7 +229,9 @@ def test_adagrad_honours_a_groups_initial_accumulator_value():
     group's, as torch does when it is the constructor's (docs/torch-loops.md)."""
     a, b = net(0), net(0)
     want = train(a, torch.optim.Adagrad(a.parameters(), lr=0.1, initial_accumulator_value=0.5))
-    opt = fg.Optimizer([{"params": b.parameters(), "initial_accumulator_value": 0.5}], fg.adagrad(lr=0.1))
+    opt = fg.Optimizer(
+        [{"params": b.parameters(), "initial_accumulator_value": 0.5}], fg.adagrad(lr=0.1)
+    )
     close(train(b, opt), want)
 
 
@@ -272,12 +274,16 @@ def test_grouped_in_make_step_equals_fg_optimizer_and_compiles_to_one_graph():
     # (name, parameter) pairs: the rule names the model's layers
     opt = fg.Optimizer(
         [
-            {"params": [(n, p) for n, p in b.named_parameters() if n in decay], "weight_decay": 0.1},
+            {
+                "params": [(n, p) for n, p in b.named_parameters() if n in decay],
+                "weight_decay": 0.1,
+            },
             {
                 "params": [(n, p) for n, p in b.named_parameters() if n not in decay],
-                "weight_decay": 0.0, "lr": 3e-2,
+                "weight_decay": 0.0,
+                "lr": 3e-2,
             },
-        ],  # fmt: skip
+        ],
         fg.chain(rule(b), fg.adamw(lr=1e-2)),
     )
     want = train(b, opt)
@@ -500,7 +506,7 @@ def test_mixed_betas_are_refused_and_one_element_tensors_accepted():
     want = train(a, torch.optim.Adam(a.parameters(), lr=torch.tensor([0.01], dtype=D)))
     got = train(b, fg.Optimizer(b, fg.adam(lr=torch.tensor([0.01], dtype=D))))
     close(got, want)
-    with pytest.raises(ValueError, match="must hold one value"):
+    with pytest.raises(ValueError, match="must be 1-element"):
         fg.adam(lr=torch.tensor([0.01, 0.02]))
 
 
@@ -525,7 +531,10 @@ def test_add_param_group_trains_the_added_parameters():
 
 def test_group_keys_no_optimizer_in_tx_takes_are_refused_and_others_kept():
     m = net(0)
-    with pytest.raises(KeyError, match=re.escape("param group key(s) ['momentum'] are hyperparameters no optimizer")):
+    with pytest.raises(
+        KeyError,
+        match=re.escape("param group key(s) ['momentum'] are hyperparameters no optimizer"),
+    ):
         fg.Optimizer([{"params": m.parameters(), "momentum": 0.9}], fg.adam())
     opt = fg.Optimizer([{"params": m.parameters(), "name": "all", "foreach": True}], fg.adam())
     assert opt.param_groups[0]["name"] == "all"  # the user's own key, kept as torch keeps it
@@ -571,7 +580,10 @@ def test_one_tx_shared_by_two_grouped_optimizers():
     ra, rb = copy.deepcopy(a), copy.deepcopy(b)
 
     def groups(m, lr):
-        return [{"params": weights(m) + [m[4].weight]}, {"params": biases(m) + [m[4].bias], "lr": lr}]
+        return [
+            {"params": [*weights(m), m[4].weight]},
+            {"params": [*biases(m), m[4].bias], "lr": lr},
+        ]
 
     oa, ob = fg.Optimizer(groups(a, 0.01), tx), fg.Optimizer(groups(b, 0.2), tx)
     sa = torch.optim.lr_scheduler.StepLR(oa, 2, 0.5)
@@ -595,7 +607,10 @@ def test_a_tensor_lr_in_a_group_edited_in_place_by_a_scheduler_equals_torch():
     a, b = net(0), net(0)
 
     def groups(m):
-        return [{"params": weights(m)}, {"params": biases(m) + last(m), "lr": torch.tensor(0.02, dtype=D)}]
+        return [
+            {"params": weights(m)},
+            {"params": biases(m) + last(m), "lr": torch.tensor(0.02, dtype=D)},
+        ]
 
     ref = torch.optim.Adam(groups(a), lr=torch.tensor(0.01, dtype=D))
     want = train(a, ref, sched=torch.optim.lr_scheduler.CosineAnnealingLR(ref, 5))

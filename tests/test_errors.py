@@ -187,7 +187,7 @@ CASES = [
     ("beta2_decay should be <= 0 but is: 0.5", ValueError, lambda: fg.adafactor(beta2_decay=0.5)),
     ("Clipping threshold d should be >= 1 but is: 0.5", ValueError, lambda: fg.adafactor(d=0.5)),
     (
-        "fg.muon: {'bias': (1,)} are not 2-D; Muon orthogonalizes weight matrices only",
+        "fg.muon: Muon only supports 2D parameters; {'bias': (1,)} are not 2-D",
         ValueError,
         lambda: fg.muon().init(fg.params(nn.Linear(2, 1))),
     ),
@@ -441,7 +441,7 @@ CASES = [
     # (message fragment, exception type, trigger)
     ("Invalid learning rate: -1.0", ValueError, lambda: fg.adam(lr=-1.0)),
     (
-        "Invalid learning rate: a tensor lr must hold one value (0-d), got shape (2,)",
+        "Invalid learning rate: Tensor lr must be 1-element (one value), got shape (2,)",
         ValueError,
         lambda: fg.adam(lr=torch.ones(2)),
     ),
@@ -462,7 +462,7 @@ CASES = [
         lambda: fg.adam(betas=(torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.9))),
     ),
     (
-        "Invalid beta parameter at index 0: a tensor beta must hold one value (0-d), got shape (2,).",
+        "Invalid beta parameter at index 0: Tensor beta must be 1-element (one value), got shape (2,).",
         ValueError,
         lambda: fg.adam(betas=(torch.ones(2), torch.tensor(0.9))),
     ),

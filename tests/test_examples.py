@@ -315,6 +315,19 @@ def test_torch_loop_example_trains_with_scheduler_and_scaler(capsys):
     assert out["accuracy"] > 0.3  # chance is 0.1
 
 
+def test_torch_idioms_example_equals_torch_optim_run_by_the_same_script(capsys):
+    """Param groups, OneCycleLR cycling betas, add_param_group after unfreezing, a hand
+    written weight decay: the fg.Optimizer run equals the torch.optim.AdamW run."""
+    import torch_idioms
+
+    out = torch_idioms.main(["--head-epochs", "1", "--all-epochs", "2"])
+    text = capsys.readouterr().out
+    assert out["max_diff"] < 1e-12
+    assert out["accuracy"] == out["torch_accuracy"] > 0.3  # chance is 0.1
+    line = summary_of(text, "torch_idioms")
+    assert close(line["test_acc"], out["accuracy"]) and close(line["max_diff"], out["max_diff"])
+
+
 EXAMPLES = sorted(
     p.name
     for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.py")

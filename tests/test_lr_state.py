@@ -152,7 +152,9 @@ def test_partition_keeps_each_optimizers_ratio_to_the_group_lr():
 def test_set_lr_and_get_lr():
     """get_lr reads the value the next step uses (a schedule's value too, never a
     factor); set_lr writes it; a schedule goes on from the step after."""
-    tx = fg.partition({"w": fg.adam(lr=1e-2), "b": fg.sgd(lr=lambda c: 0.1 / (1 + c))}, {"w": "w", "b": "b"})
+    tx = fg.partition(
+        {"w": fg.adam(lr=1e-2), "b": fg.sgd(lr=lambda c: 0.1 / (1 + c))}, {"w": "w", "b": "b"}
+    )
     params = {"w": torch.zeros(2, dtype=D), "b": torch.zeros(1, dtype=D)}
     state = tx.init(params)
     assert fg.get_lr(state) == [1e-2, 0.1]

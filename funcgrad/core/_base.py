@@ -204,9 +204,7 @@ def wrapping(
 ) -> GradientTransformation:
     """``tx`` recorded as wrapping ``parts`` (``remake`` builds it over others), without
     declaring it shardable."""
-    return with_facts(
-        tx, parts=parts, remake=remake, averages=any(p.facts.averages for p in parts)
-    )
+    return with_facts(tx, parts=parts, remake=remake, averages=any(p.facts.averages for p in parts))
 
 
 def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> Params:

@@ -349,8 +349,10 @@ def adam_state_from_torch(
     """The :class:`funcgrad.AdamState` equal to a ``torch.optim.Adam``/``AdamW`` state.
 
     Continue with ``fg.adam``/``fg.adamw`` built with the optimizer's hyperparameters
-    (lr, betas, eps, weight_decay, amsgrad, maximize); the step counter, moments and
-    (with amsgrad) max second moments are copied.
+    (lr, betas, eps, weight_decay, amsgrad, maximize); the step counter, moments,
+    (with amsgrad) max second moments and the groups' hyperparameters (what
+    :func:`funcgrad.get_hyperparams` reads) are copied. The param groups must agree on
+    their hyperparameters.
 
     Args:
         optimizer: the torch optimizer, possibly with no state yet (step 0).
@@ -389,7 +391,33 @@ def adam_state_from_torch(
         if amsgrad:
             nu_max[name] = take("max_exp_avg_sq")
     device = pairs[0][1].device if pairs else torch.device("cpu")
-    return AdamState(torch.tensor(count, dtype=torch.int64, device=device), mu, nu, nu_max)
+    hyperparams = _adam_hyperparams(optimizer, pairs, who)
+    return AdamState(
+        torch.tensor(count, dtype=torch.int64, device=device), mu, nu, nu_max, hyperparams
+    )
+
+
+def _adam_hyperparams(
+    optimizer: torch.optim.Optimizer, pairs: list[tuple[str, Tensor]], who: str
+) -> dict[str, Any]:
+    """The hyperparameters ``fg.adam`` built from the optimizer's groups keeps in state:
+    the groups must agree (one AdamState holds one set)."""
+    from ..optim._adam import adam  # the optimizers sit above io's state conversions
+
+    keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+    kwargs = [
+        {k: g[k] for k in keys if k in g}
+        | ({"decoupled_weight_decay": True} if isinstance(optimizer, torch.optim.AdamW) else {})
+        for g in optimizer.param_groups
+    ]
+    if any(repr(k) != repr(kwargs[0]) for k in kwargs[1:]):
+        raise ValueError(
+            f"{who}: the optimizer's param groups have different hyperparameters "
+            f"({kwargs}); one AdamState holds one set. Convert one group at a time (a "
+            "torch optimizer per group) and combine them with fg.partition."
+        )
+    tx = adam(**kwargs[0])
+    return tx.init({name: p.detach() for name, p in pairs[:1]}).hyperparams
 
 
 def adam_state_to_torch(

@@ -188,8 +188,8 @@ def adam(
     second moment that underflows gives a finite update here and inf/NaN in torch.
 
     ``weight_decay`` is the L2 penalty added to the gradient (as in torch); see
-    :func:`adamw` for decoupled decay (or torch's ``decoupled_weight_decay=True``). ``mask`` says where weight decay applies (see
-    ``DecayMask``): with a mask, equal to
+    :func:`adamw` for decoupled decay (or torch's ``decoupled_weight_decay=True``).
+    ``mask`` says where weight decay applies (see ``DecayMask``): with a mask, equal to
     ``torch.optim.Adam`` with a decay and a no-decay param group.
 
     Differentiable and vmappable (meta-learning, ensembles): ``lr``, ``betas``,

@@ -77,7 +77,7 @@ def check_number(
         short = short or what
         if x.numel() != 1:
             raise ValueError(
-                f"Invalid {what}: a tensor {short} must hold one value (0-d), got shape "
+                f"Invalid {what}: Tensor {short} must be 1-element (one value), got shape "
                 f"{tuple(x.shape)}."
             )
         if not torch.is_floating_point(x):
@@ -290,7 +290,7 @@ def optimizer(factory: Callable[..., GradientTransformation]) -> Any:
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
         tx = factory(*args, **kwargs)
         bound = dict(defaults)
-        bound.update(zip(positional, args))
+        bound.update(zip(positional, args, strict=False))
         bound.update(kwargs)
         info = replace(tx.facts.optimizer, factory=build, kwargs=bound)
         return with_facts(tx, optimizer=info)
@@ -323,7 +323,9 @@ def is_optimizer_state(x: object) -> bool:
     """A funcgrad optimizer's state: a NamedTuple whose fields start with ``count``
     and include ``hyperparams`` (``AdamState``, ``SGDState``, ...)."""
     fields: tuple[str, ...] = getattr(type(x), "_fields", ())
-    return isinstance(x, tuple) and bool(fields) and fields[0] == "count" and "hyperparams" in fields
+    return (
+        isinstance(x, tuple) and bool(fields) and fields[0] == "count" and "hyperparams" in fields
+    )
 
 
 def slot_fields(state_type: type) -> tuple[str, ...]:
@@ -350,19 +352,10 @@ def with_optimizer_states(state: object, new: list[Any]) -> Any:
     return walk_states(state, lambda s: next(it))
 
 
-def walk_states(x: Any, fn: Callable[[Any], Any], group: int = 0) -> Any:
+def walk_states(x: Any, fn: Callable[..., Any], *, indexed: bool = False) -> Any:
     """``x`` with ``fn`` applied to each optimizer state inside it. ``fn`` takes the
-    state, or the state and its param group's index (``fg.grouped``) when it takes two
-    arguments."""
-    two = _arity(fn) == 2
-    return _walk(x, fn, two, group)
-
-
-def _arity(fn: Callable[..., Any]) -> int:
-    try:
-        return len(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return 1
+    state, or with ``indexed`` the state and its param group's index (``fg.grouped``)."""
+    return _walk(x, fn, indexed, 0)
 
 
 def _walk(x: Any, fn: Callable[..., Any], two: bool, group: int) -> Any:
@@ -390,13 +383,14 @@ def _plain(entry: Any, inside: bool = False) -> Any:
 def get_hyperparams(state: object) -> list[dict[str, Any]]:
     """The hyperparameters of every optimizer state inside ``state``, in order: one dict
     per optimizer, ``name -> value`` (a float; a tuple for ``betas``), each the value the
-    next step uses. A term built off (``weight_decay=0.0``) reads 0.0.
+    next step uses. A term built off (``weight_decay=0.0``) is not in state, so not in
+    its dict: build the optimizer with the term on to change it while training.
 
     Examples:
         >>> import torch, funcgrad as fg
         >>> tx = fg.chain(fg.clip_by_global_norm(1.0), fg.adam(lr=0.01))
         >>> fg.get_hyperparams(tx.init({"w": torch.zeros(2)}))
-        [{'lr': 0.01, 'betas': (0.9, 0.999), 'eps': 1e-08, 'weight_decay': 0.0}]
+        [{'lr': 0.01, 'betas': (0.9, 0.999), 'eps': 1e-08}]
     """
     return [
         {k: _plain(v) for k, v in s.hyperparams.items()}

@@ -82,8 +82,9 @@ def _check_matrices(params: Params) -> None:
     flat = {k: tuple(p.shape) for k, p in params.items() if p.dim() != 2}
     if flat:
         raise ValueError(
-            f"fg.muon: {flat} are not 2-D; Muon orthogonalizes weight matrices only (as "
-            "torch.optim.Muon). Give the other parameters to AdamW with fg.partition: "
+            f"fg.muon: Muon only supports 2D parameters; {flat} are not 2-D (Muon "
+            "orthogonalizes weight matrices, as torch.optim.Muon). Give the other parameters "
+            "to AdamW with fg.partition: "
             "labels = {n: 'muon' if p.ndim == 2 else 'adamw' for n, p in params.items()}; "
             "tx = fg.partition({'muon': fg.muon(), 'adamw': fg.adamw()}, labels) "
             "(docs/optimizers.md; keep embeddings and the output head on AdamW too)."
@@ -186,9 +187,11 @@ def muon(
             scalars=scalars,
             kernel=kernel,
             hyper={
-                "lr": hyper(lr), "weight_decay": wd, "momentum": hyper(momentum),
+                "lr": hyper(lr),
+                "weight_decay": wd,
+                "momentum": hyper(momentum),
                 "eps": hyper(eps),
-            },  # fmt: skip
+            },
             needs_params=has_decay,
             elementwise=False,
             has_decay=has_decay,

@@ -67,3 +67,46 @@ def test_hf_trainer_equals_the_same_steps_by_hand(tmp_path):
         for k in want[g]:
             torch.testing.assert_close(got[g][k], want[g][k], rtol=0, atol=0)
     assert opt.param_groups[0]["lr"] == want_opt.param_groups[0]["lr"] < 1e-2
+
+
+def _trainer_run(tmp_path, optimizer_cls_and_kwargs):
+    model = SeedNet()
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=1,
+        learning_rate=1e-2,
+        weight_decay=0.1,  # Trainer's decay group; biases go to its weight_decay=0.0 group
+        warmup_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Steps(),
+        optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+    )
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Steps())
+    trainer.train()
+    return model, trainer.optimizer
+
+
+def test_hf_trainer_builds_fg_optimizer_from_its_own_param_groups(tmp_path):
+    """``optimizer_cls_and_kwargs=(fg.Optimizer, {"tx": fg.adamw(...)})``: Trainer builds
+    its decay/no-decay param groups, its linear warmup schedule and its gradient
+    clipping around fg.Optimizer, as around torch.optim.AdamW; the trained parameters
+    equal AdamW's."""
+    got, opt = _trainer_run(tmp_path / "fg", (fg.Optimizer, {"tx": fg.adamw(lr=1e-2)}))
+    want, ref = _trainer_run(tmp_path / "torch", (torch.optim.AdamW, {"lr": 1e-2}))
+    assert isinstance(opt.optimizer if hasattr(opt, "optimizer") else opt, fg.Optimizer)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    for (n, p), (_, q) in zip(got.named_parameters(), want.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-14, msg=n)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
+    start = SeedNet()
+    assert not torch.equal(got.net.fc3.weight, start.net.fc3.weight)  # it trained
