@@ -30,6 +30,7 @@ from .core._base import GradientTransformation, Params, State
 from .core._combine import ParamGroupsState
 from .core._tree import tree_map
 from .io._state_dict import load, state_dict
+from .optim import _fused
 from .optim._hparams import (
     get_hyperparams,
     is_optimizer_state,
@@ -367,6 +368,7 @@ class _Core:
         }  # fmt: skip
         self.full: GradientTransformation = self.tx
         self.state: State = None
+        self.fused: _fused.Plan | None = None
         self.regroup()
 
     # what the groups hold
@@ -436,6 +438,17 @@ class _Core:
         self, full: GradientTransformation, state: State, groups: list[dict[str, Any]]
     ) -> None:
         self.full, self.state = full, state
+        self.fused = _fused.plan(full, state, [g["param_names"] for g in groups])
+        # the hyperparameters each group's states hold (a key held by none, such as a
+        # weight_decay the group was built with at 0.0, needs a rebuild to change)
+        self.holds: list[set[str]] = [set() for _ in groups]
+
+        def note(s: Any, i: int) -> Any:
+            if i < len(self.holds):
+                self.holds[i] |= set(s.hyperparams or {})
+            return s
+
+        walk_states(state, note, indexed=True)
         self.shown = [dict(g) for g in groups]
         self.built = [dict(g) for g in groups]
         self.pull(groups)
@@ -452,13 +465,16 @@ class _Core:
             )
         changed: list[dict[str, Any]] = []
         rebuild = False
-        for g, shown, built in zip(groups, self.shown, self.built, strict=True):
+        for i, (g, shown, built) in enumerate(zip(groups, self.shown, self.built, strict=True)):
             new = {
                 k: v for k, v in g.items()
                 if k in self.takes and k not in _IMPLEMENTATION and not _same(v, shown.get(k))
             }  # fmt: skip
             changed.append(new)
-            rebuild = rebuild or any(self.structural(k, v, built.get(k)) for k, v in new.items())
+            rebuild = rebuild or any(
+                self.structural(k, v, built.get(k)) or k not in self.holds[i]
+                for k, v in new.items()
+            )
         if not any(changed):
             return
         if rebuild:
@@ -519,6 +535,12 @@ class _Core:
         names = [n for g in groups for n in g["param_names"]]
         grads = _grads(names, parameters)
         params = dict(zip(names, parameters, strict=True))
+        if self.fused is not None and not self.dtensors:
+            fused = _fused.run(self.fused, self.state, params, grads)
+            if fused is not None:  # parameters and moments written in place
+                self.state = fused
+                self.pull(groups)
+                return
         updates, state = self.full.update(grads, self.state, params)
         self.state = self.reduced(state)
         us = [updates[n] for n in names]

@@ -529,6 +529,44 @@ def test_add_param_group_trains_the_added_parameters():
     assert opt.param_groups[1]["lr"] == 0.1 and opt.param_groups[1]["momentum"] == 0.0
 
 
+@pytest.mark.parametrize("path", ["fused", "general"])
+@pytest.mark.parametrize("key", ["weight_decay", "momentum"])
+def test_a_term_a_group_was_built_without_turns_on_when_written(key, path, monkeypatch):
+    """A group added (or built) with weight_decay=0.0 (or momentum=0.0) holds no state for
+    it; writing a nonzero value later must rebuild it, not be dropped (it was). And a
+    momentum written to 0.0 is plain SGD that leaves the buffer, as torch. On the fused
+    kernels and on the general path (funcgrad/optim/_fused.py)."""
+    if path == "general":
+        from funcgrad.optim import _fused
+
+        monkeypatch.setattr(_fused, "plan", lambda *args: None)
+
+    def run(make):
+        model = net(0)
+        model[4].requires_grad_(False)
+        opt = make([p for p in model.parameters() if p.requires_grad])
+
+        def before(i, opt):
+            if i == 3:
+                model[4].requires_grad_(True)
+                opt.add_param_group({"params": model[4].parameters(), key: 0.0})
+            for g in opt.param_groups:  # 0.0 when the group is added, then 0.5
+                g[key] = 0.5 * (i % 3 != 0)
+
+        return train(model, opt, before=before)
+
+    if key == "weight_decay":
+        close(
+            run(lambda ps: fg.Optimizer(ps, fg.adamw(0.1, weight_decay=0.1))),
+            run(lambda ps: torch.optim.AdamW(ps, 0.1, weight_decay=0.1)),
+        )
+    else:
+        close(
+            run(lambda ps: fg.Optimizer(ps, fg.sgd(0.1, 0.9))),
+            run(lambda ps: torch.optim.SGD(ps, 0.1, 0.9)),
+        )
+
+
 def test_group_keys_no_optimizer_in_tx_takes_are_refused_and_others_kept():
     m = net(0)
     with pytest.raises(

@@ -113,6 +113,7 @@ def sgd(
             s["momentum"] = hp["momentum"]
             s["keep"] = 1.0 - hp["dampening"]
             s["first"] = (count == 1).to(torch.float64)
+            s["on"] = (hp["momentum"] != 0).to(torch.float64)
         return s
 
     def kernel(e: Entry) -> tuple[Tensor, dict[str, Tensor]]:
@@ -124,10 +125,14 @@ def sgd(
             g = o.add(g, o.mul(s["wd"], p))
         if not has_momentum:
             return o.mul(g, s["neg_lr"]), {}
-        later = o.add(o.mul(e.slots["momentum_buffer"], s["momentum"]), o.mul(s["keep"], g))
+        old = e.slots["momentum_buffer"]
+        later = o.add(o.mul(old, s["momentum"]), o.mul(s["keep"], g))
         buf = o.where(s["first"] != 0, g, later)
-        g = o.add(g, o.mul(s["momentum"], buf)) if nesterov else buf
-        return o.mul(g, s["neg_lr"]), {"momentum_buffer": buf}
+        d = o.add(g, o.mul(s["momentum"], buf)) if nesterov else buf
+        # momentum written to 0.0 while training: plain SGD, the buffer left as it is
+        # (torch skips both); off from the start, the slot is not built at all
+        on = s["on"] != 0
+        return o.mul(o.where(on, d, g), s["neg_lr"]), {"momentum_buffer": o.where(on, buf, old)}
 
     hp = {"lr": hyper(lr), "momentum": m, "dampening": hyper(dampening), "weight_decay": wd}
     return elementwise(

@@ -1,0 +1,256 @@
+"""The drop-in's speed: fg.Optimizer in an eager torch loop against torch.optim's fused
+AdamW, side by side in one process (issue "The drop-in at fused speed").
+
+Three workloads: an MLP 256-512-512-512-10 (662k parameters, batch 64), forty 64x64
+layers (40 small tensors, batch 64), and three 3132x3132 layers (29.4M parameters,
+batch 16). Every arm starts from the same weights and trains with AdamW(lr=1e-3,
+weight_decay=1e-2). Arms, each a whole step (zero_grad, forward, backward, step):
+
+  torch-fused       torch.optim.AdamW(fused=True): the reference, 1.00
+  torch-foreach     torch.optim.AdamW(foreach=True)
+  fg-eager          fg.Optimizer(model, fg.adamw())
+  fg-compiled-step  the same with opt.step = torch.compile(opt.step)
+  fg-make_step      fg.make_step(loss, fg.adamw(), compile=True, donate=True): the
+                    forward, backward and update as one compiled graph
+  heavyball         heavyball.AdamW (its compiled blocks), if heavyball is installed
+
+and with the zero_fix rule per layer in front (``--rule`` arms, suffix ``+rule``):
+torch-fused with the correct eager rule on ``.grad`` before ``opt.step()``, and
+fg.Optimizer(model, fg.chain(fg.per_group(zero_fix, groups), fg.adamw())).
+
+``update alone``: ``opt.step()`` only, on gradients computed once (the 29.4M model
+shows the optimizer's own cost).
+
+Timed round-robin (all arms of a workload interleaved, so drift hits all alike),
+median of repeats, one thread by default (``--threads``). The ratios are to
+torch-fused in the same run; absolute times are printed for context only.
+
+Run: python benchmarks/bench_drop_in.py [--quick] [--threads N] [--no-compile]
+     [--device cuda] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import funcgrad as fg
+
+RULE = fg.rules.zero_fix()
+LR, WD = 1e-3, 1e-2
+
+
+def workloads(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], int, int, int]]:
+    """name -> (model factory, input width, output width, batch)."""
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+            nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10),
+        )  # fmt: skip
+
+    def many() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(40):
+            layers += [nn.Linear(64, 64, bias=False), nn.Tanh()]
+        return nn.Sequential(*layers)
+
+    def big() -> nn.Module:
+        w = 1024 if quick else 3132
+        return nn.Sequential(
+            nn.Linear(w, w, bias=False), nn.ReLU(), nn.Linear(w, w, bias=False), nn.ReLU(),
+            nn.Linear(w, w, bias=False),
+        )  # fmt: skip
+
+    big_name = "3x1024^2 (3.1M)" if quick else "3x3132^2 (29.4M)"
+    return {
+        "MLP 662k": (mlp, 256, 10, 64),
+        "40x64^2": (many, 64, 64, 64),
+        big_name: (big, 1024 if quick else 3132, 1024 if quick else 3132, 16),
+    }
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    number: int,
+    warmup: int,
+    sync: Callable[[], None],
+) -> dict[str, float]:
+    """Median seconds per call of each fn, timed round-robin."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            sync()
+            t = time.perf_counter()
+            for _ in range(number):
+                f()
+            sync()
+            times[name].append((time.perf_counter() - t) / number)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def eager_rule(model: nn.Module, groups: fg.Groups) -> None:
+    """The correct rule for torch.optim users: after backward, per layer, on .grad."""
+    named = dict(model.named_parameters())
+    for names in groups.values():
+        fixed = RULE({n: named[n].grad for n in names})
+        for n in names:
+            named[n].grad = fixed[n]
+
+
+def arms(
+    make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, compile_arms: bool
+) -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[], object]]]:
+    """(whole-step arms, update-alone arms), each on its own copy of one model."""
+    torch.manual_seed(0)
+    base = make().to(x.device)
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        return nn.functional.mse_loss(m(x), y)
+
+    steps: dict[str, Callable[[], object]] = {}
+    updates: dict[str, Callable[[], object]] = {}
+
+    def loop(name: str, opt_of: Callable[[nn.Module], Any], rule: bool = False) -> None:
+        m = copy.deepcopy(base)
+        opt = opt_of(m)
+        groups = fg.group_by_module(m)
+        step = opt.step
+
+        def whole() -> None:
+            opt.zero_grad()
+            loss(m).backward()
+            if rule:
+                eager_rule(m, groups)
+            step()
+
+        steps[name] = whole
+        u = copy.deepcopy(base)
+        opt_u = opt_of(u)
+        loss(u).backward()
+        updates[name] = _update_alone(u, opt_u, rule)
+
+    loop(
+        "torch-fused", lambda m: torch.optim.AdamW(m.parameters(), LR, weight_decay=WD, fused=True)
+    )
+    loop(
+        "torch-foreach",
+        lambda m: torch.optim.AdamW(m.parameters(), LR, weight_decay=WD, foreach=True),
+    )
+    loop("fg-eager", lambda m: fg.Optimizer(m, fg.adamw(LR, weight_decay=WD)))
+    try:
+        import heavyball
+
+        loop("heavyball", lambda m: heavyball.AdamW(m.parameters(), lr=LR, weight_decay=WD))
+    except ImportError:
+        pass
+    if compile_arms:
+
+        def compiled_opt(m: nn.Module) -> fg.Optimizer:
+            opt = fg.Optimizer(m, fg.adamw(LR, weight_decay=WD))
+            opt.step = torch.compile(opt.step)  # type: ignore[method-assign]
+            return opt
+
+        loop("fg-compiled-step", compiled_opt)
+        m = copy.deepcopy(base)
+        params, tx = fg.params(m), fg.adamw(LR, weight_decay=WD)
+        state = tx.init(params)
+        mstep = fg.make_step(
+            lambda p, x, y: nn.functional.mse_loss(fg.call(m, p, x), y),
+            tx,
+            compile=True,
+            donate=True,
+        )
+        steps["fg-make_step"] = lambda: mstep(params, state, x, y)
+    loop(
+        "torch-fused+rule",
+        lambda m: torch.optim.AdamW(m.parameters(), LR, weight_decay=WD, fused=True),
+        rule=True,
+    )
+    loop(
+        "fg-eager+rule",
+        lambda m: fg.Optimizer(
+            m,
+            fg.chain(fg.per_group(RULE, fg.group_by_module(m)), fg.adamw(LR, weight_decay=WD)),
+        ),
+    )
+    return steps, updates
+
+
+def _update_alone(m: nn.Module, opt: torch.optim.Optimizer, rule: bool) -> Callable[[], None]:
+    """``opt.step()`` (after the eager rule, with ``rule``) on the gradients computed
+    once, given back to ``.grad`` before each call (HeavyBall clears them)."""
+    groups = fg.group_by_module(m)
+    named = list(m.named_parameters())
+    grads = {n: p.grad for n, p in named}
+
+    def step() -> None:
+        for n, p in named:
+            p.grad = grads[n]
+        if rule:
+            eager_rule(m, groups)
+        opt.step()
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled arms")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
+    for name, (make, width, out_width, batch) in workloads(args.quick).items():
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, width, generator=gen).to(device)
+        y = torch.randn(batch, out_width, generator=gen).to(device)
+        t0 = time.perf_counter()
+        steps, updates = arms(make, x, y, not args.no_compile)
+        big = "29.4M" in name or "3.1M" in name
+        reps, number = (3, 2) if args.quick else ((7, 2) if big else (9, 10))
+        whole = interleaved(steps, reps, number, warmup=3, sync=sync)
+        alone = interleaved(updates, reps, number, warmup=3, sync=sync)
+        results[name] = {"step": whole, "update": alone}
+        ref_s, ref_u = whole["torch-fused"], alone["torch-fused"]
+        print(f"\n{name}  (torch-fused: step {ref_s * 1e3:.2f} ms, update {ref_u * 1e3:.2f} ms;"
+              f" {time.perf_counter() - t0:.0f} s)")  # fmt: skip
+        print(f"  {'arm':<20} {'whole step':>11} {'update alone':>13}")
+        for arm in steps:
+            u = f"{alone[arm] / ref_u:13.2f}" if arm in alone else f"{'-':>13}"
+            print(f"  {arm:<20} {whole[arm] / ref_s:11.2f} {u}")
+        for arm in ("fg-eager", "fg-eager+rule"):
+            ref = "torch-fused+rule" if arm.endswith("rule") else "torch-fused"
+            print(f"  {arm} / {ref}: step {whole[arm] / whole[ref]:.2f}, "
+                  f"update {alone[arm] / alone[ref]:.2f}")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    (out / f"bench_drop_in{suffix}.json").write_text(
+        json.dumps(
+            {"torch": torch.__version__, "device": str(device), "results": results}, indent=1
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""``fg.Optimizer``'s eager step on torch's fused kernels.
+
+An eager ``fg.Optimizer.step`` whose transformation is Adam, AdamW or SGD (one per
+param group, as ``fg.grouped`` splits it), alone or at the end of a ``fg.chain``
+of rules, updates the parameters and the optimizer's state in place with
+``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``: the kernels of
+``torch.optim.Adam(fused=True)`` and its siblings, one pass over each parameter,
+gradient and moment, no temporaries. The rules in front run as they always do
+(functionally, on the gradients). The values are those of torch's fused optimizer
+with the same arguments, bit for bit (``tests/test_fused_step.py``); torch's fused
+and default kernels differ by rounding, and both stay within the tolerances the
+drop-in tests hold against ``torch.optim``'s default.
+
+The step counter, the hyperparameters and their schedules stay in funcgrad's state
+as on every other path: the kernel reads the step's values as Python floats (one
+``tolist()`` per group), and the state's ``count`` and ``hyperparams`` advance as
+the kernel path (funcgrad/optim/_kernel.py) advances them.
+
+Anything else takes the general path: a traced step (``torch.compile(opt.step)``),
+another optimizer, ``eps_root``, a tensor hyperparameter that carries a gradient,
+DTensors, sparse or complex tensors, a device without fused kernels, or a state not
+shaped as the parameters (:func:`plan` returns None; :func:`run` returns None where
+a step's inputs do not fit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._compat import compiling
+from ..core._base import GradientTransformation, State
+from ..core._combine import ChainState, ParamGroupsState
+from ._hparams import is_optimizer_state, mask_resolver, next_value, value64
+
+_KINDS = {"fg.adam", "fg.adamw", "fg.sgd"}
+_DEVICES = {"cpu", "cuda"}
+
+
+@dataclass(frozen=True)
+class _Group:
+    tx: GradientTransformation
+    names: tuple[str, ...]
+    decays: Callable[[dict[str, Tensor]], dict[str, bool]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the optimizer states sit in the state, and each group's optimizer."""
+
+    prefix: tuple[GradientTransformation, ...]  # the rules before it in a chain
+    groups: tuple[_Group, ...]
+    grouped: bool  # the states are a ParamGroupsState's
+
+
+def plan(full: GradientTransformation, state: State, names: Sequence[Sequence[str]]) -> Plan | None:
+    """The fused plan for ``full`` with ``state``, its param groups' names in order;
+    None where it has none."""
+    prefix: tuple[GradientTransformation, ...] = ()
+    opt, opt_state = full, state
+    if isinstance(state, ChainState):
+        parts = full.facts.parts
+        if not parts or len(parts) != len(state.inner_states):
+            return None
+        prefix, opt, opt_state = tuple(parts[:-1]), parts[-1], state.inner_states[-1]
+    if is_optimizer_state(opt_state) and opt.facts.optimizer is not None:
+        if len(names) != 1:
+            return None
+        txs, grouped = [opt], False
+    elif isinstance(opt_state, ParamGroupsState):
+        txs, grouped = list(opt.facts.parts), True
+        if len(txs) != len(opt_state.inner_states) or len(txs) != len(names):
+            return None
+    else:
+        return None
+    groups = []
+    for tx, group_names in zip(txs, names, strict=True):
+        info = tx.facts.optimizer
+        if info is None or info.who not in _KINDS or not info.kwargs:
+            return None
+        if info.kwargs.get("eps_root", 0.0):
+            return None
+        decays = mask_resolver(info.kwargs.get("mask"), info.who)
+        groups.append(_Group(tx, tuple(group_names), decays))
+    return Plan(prefix, tuple(groups), grouped)
+
+
+def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tensor]) -> State | None:
+    """One step on the fused kernels: the parameters and the moments in place; the new
+    state (the same tensors, the count and hyperparameters advanced), or None where
+    this step cannot run fused (nothing has been written then)."""
+    if compiling() or not params:
+        return None
+    opt_state = state.inner_states[-1] if p.prefix else state
+    states = list(opt_state.inner_states) if p.grouped else [opt_state]
+    calls = []
+    for g, s in zip(p.groups, states, strict=True):
+        call = _prepare(g, s, params)
+        if call is None:
+            return None
+        calls.append(call)
+    prefix_states: list[State] = []
+    if p.prefix:
+        for tx, s in zip(p.prefix, state.inner_states[:-1], strict=True):
+            grads, s = tx.update(grads, s, params)
+            prefix_states.append(s)
+        if not all(_fits(grads[n], params[n]) for n in params):
+            return None  # a rule changed the gradients' dtype or shape: the general path
+    new = [
+        _step(g, s, call, params, grads) for g, s, call in zip(p.groups, states, calls, strict=True)
+    ]
+    inner = ParamGroupsState(tuple(new)) if p.grouped else new[0]
+    return ChainState((*prefix_states, inner)) if p.prefix else inner
+
+
+def _fits(g: Tensor, p: Tensor) -> bool:
+    return (
+        g.dtype == p.dtype
+        and g.device == p.device
+        and g.shape == p.shape
+        and g.layout == torch.strided
+        and not g.requires_grad
+    )
+
+
+def _slots(who: str, kwargs: Mapping[str, Any], s: Any) -> list[str]:
+    if who == "fg.sgd":
+        return ["momentum_buffer"] if "momentum" in s.hyperparams else []
+    return ["mu", "nu", "nu_max"] if kwargs.get("amsgrad") else ["mu", "nu"]
+
+
+def _prepare(g: _Group, s: Any, params: Mapping[str, Tensor]) -> tuple[Any, ...] | None:
+    """The group's slot tensors by name and its decay flags, or None where the state or
+    the parameters do not fit the fused kernels."""
+    info = g.tx.facts.optimizer
+    if (
+        not is_optimizer_state(s)
+        or s.hyperparams is None
+        or s.hyperparams.keys() != info.hyper.keys()
+    ):
+        return None
+    fields = _slots(info.who, info.kwargs, s)
+    slots = [getattr(s, f) for f in fields]
+    names = set(g.names)
+    for t in slots:
+        if type(t) is not dict or t.keys() != names:
+            return None
+    for n in g.names:
+        p = params[n]
+        if (
+            p.device.type not in _DEVICES
+            or not p.is_floating_point()
+            or p.layout != torch.strided
+            or hasattr(p, "placements")
+            or any(not _same_as(t[n], p) for t in slots)
+        ):
+            return None
+    hp = _leaves(s.hyperparams)
+    if any(t.requires_grad for t in hp) or s.count.device != params[g.names[0]].device:
+        return None
+    mine = {n: params[n] for n in g.names}
+    return slots, g.decays(mine) if "weight_decay" in s.hyperparams else {}
+
+
+def _same_as(t: Tensor, p: Tensor) -> bool:
+    return (
+        isinstance(t, Tensor)
+        and t.shape == p.shape
+        and t.dtype == p.dtype
+        and t.device == p.device
+        and not t.requires_grad
+    )
+
+
+def _leaves(hp: Mapping[str, Any]) -> list[Tensor]:
+    out: list[Tensor] = []
+    for v in hp.values():
+        out.extend(v if isinstance(v, tuple) else (v,))
+    return out
+
+
+def _step(
+    g: _Group,
+    s: Any,
+    call: tuple[Any, ...],
+    params: Mapping[str, Tensor],
+    grads: Mapping[str, Tensor],
+) -> Any:
+    info = g.tx.facts.optimizer
+    kwargs = info.kwargs
+    slots, decay = call
+    count = s.count + 1
+    hp = {k: value64(v, count) for k, v in s.hyperparams.items()}
+    keys = list(hp)
+    flat = [t for k in keys for t in (hp[k] if isinstance(hp[k], tuple) else (hp[k],))]
+    values = torch.stack([*flat, s.count.to(torch.float64)]).tolist()
+    first = values.pop() == 0
+    read = iter(values)
+    v: dict[str, Any] = {
+        k: tuple(next(read) for _ in hp[k]) if isinstance(hp[k], tuple) else next(read)
+        for k in keys
+    }
+    wd = v.get("weight_decay", 0.0)
+    buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, n in enumerate(g.names):
+        p = params[n]
+        buckets.setdefault((p.device, p.dtype, decay.get(n, False)), []).append(i)
+    steps: dict[torch.device, Tensor] = {}
+    for (device, _, decays), idx in buckets.items():
+        ps = [params[g.names[i]] for i in idx]
+        gs = [grads[g.names[i]] for i in idx]
+        ss = [[slot[g.names[i]] for i in idx] for slot in slots]
+        w = wd if decays else 0.0
+        if info.who == "fg.sgd":
+            momentum = v.get("momentum", 0.0)  # 0.0 written to a group: plain SGD, as torch
+            torch._fused_sgd_(
+                ps, gs, ss[0] if ss and momentum != 0.0 else [],
+                weight_decay=w, momentum=momentum, lr=v["lr"],
+                dampening=v.get("dampening", 0.0), nesterov=bool(kwargs.get("nesterov")),
+                maximize=bool(kwargs.get("maximize")), is_first_step=first,
+            )  # fmt: skip
+            continue
+        if device not in steps:
+            steps[device] = count.to(device=device, dtype=torch.float32)
+        decoupled = info.who == "fg.adamw" or bool(kwargs.get("decoupled_weight_decay"))
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        b1, b2 = v["betas"]
+        fused(
+            ps, gs, ss[0], ss[1], ss[2] if len(ss) > 2 else [], [steps[device]] * len(ps),
+            lr=v["lr"], beta1=b1, beta2=b2, weight_decay=w, eps=v["eps"],
+            amsgrad=bool(kwargs.get("amsgrad")), maximize=bool(kwargs.get("maximize")),
+        )  # fmt: skip
+    after = {k: next_value(info.hyper[k], e, count) for k, e in s.hyperparams.items()}
+    return s._replace(count=count, hyperparams=after)
+
+
+__all__ = ["Plan", "plan", "run"]

@@ -1,0 +1,291 @@
+"""fg.Optimizer's eager step on torch's fused kernels (funcgrad/optim/_fused.py, issue
+"The drop-in at fused speed"): Adam, AdamW and SGD, alone or after rules, per param
+group, equal bit for bit to torch.optim's ``fused=True`` run with the same groups (the
+same kernels), in every floating dtype; every other case takes the general path, which
+the drop-in tests hold against torch.optim's default."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import funcgrad as fg
+from funcgrad.optim import _fused
+
+STEPS = 6
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def net(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)
+    ).to(dtype)
+
+
+def data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(10, 3, generator=g).to(dtype), torch.randn(10, 2, generator=g).to(dtype)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The groups stepped on the fused path, by optimizer name."""
+    seen: list[str] = []
+    real = _fused._step
+
+    def spy(g: Any, *args: Any) -> Any:
+        seen.append(g.tx.facts.optimizer.who)
+        return real(g, *args)
+
+    monkeypatch.setattr(_fused, "_step", spy)
+    return seen
+
+
+def run(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    dtype: torch.dtype,
+    before: Callable[[int, nn.Module, Any], None] | None = None,
+    sched: Any = None,
+) -> dict[str, torch.Tensor]:
+    x, y = data(dtype)
+    for i in range(STEPS):
+        if before is not None:
+            before(i, model, opt)
+        opt.zero_grad()
+        (model(x) - y).float().pow(2).mean().backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Equal bit for bit, and trained (not both left where they started)."""
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), (k, (got[k] - want[k]).abs().max())
+    start = net(next(iter(want.values())).dtype).state_dict()
+    if start.keys() == want.keys():
+        assert any(not torch.equal(want[k], start[k]) for k in want)
+
+
+def split(model: nn.Module, **second: Any) -> list[dict[str, Any]]:
+    """Two param groups: weights, and biases with ``second``'s keys."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n.endswith("weight")]},
+        {"params": [p for n, p in named if n.endswith("bias")], **second},
+    ]
+
+
+CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Any, dict[str, Any]]] = {
+    # name: (torch class, torch kwargs, funcgrad optimizer, the biases' group keys)
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, fg.adamw, {"lr": 3e-2}),
+    "adam-l2-amsgrad-maximize": (
+        torch.optim.Adam,
+        {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True, "maximize": True},
+        fg.adam,
+        {"weight_decay": 0.0, "betas": (0.8, 0.9)},
+    ),
+    "adam-decoupled": (
+        torch.optim.Adam,
+        {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True},
+        fg.adam,
+        {"eps": 1e-3},
+    ),
+    "sgd-momentum": (
+        torch.optim.SGD,
+        {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.1},
+        fg.sgd,
+        {"nesterov": True, "dampening": 0.0, "momentum": 0.5},
+    ),
+    "sgd-plain": (torch.optim.SGD, {"lr": 1e-2, "maximize": True}, fg.sgd, {"lr": 0.1}),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_groups_equal_torch_fused_bit_for_bit(case, dtype, fused_calls):
+    cls, kwargs, fg_opt, second = CASES[case]
+    a, b = net(dtype), net(dtype)
+    want = run(a, cls(split(a, **second), **kwargs, fused=True), dtype)
+    got = run(b, fg.Optimizer(split(b, **second), fg_opt(**kwargs)), dtype)
+    assert_bitwise(got, want)
+    assert len(fused_calls) == 2 * STEPS  # both groups, every step
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_one_cycle_with_momentum_on_the_fused_path(dtype, fused_calls):
+    """OneCycleLR cycling lr and beta1, written to the groups every step."""
+    a, b = net(dtype), net(dtype)
+    ta = torch.optim.AdamW(split(a, lr=3e-2), 1e-2, weight_decay=0.1, fused=True)
+    tb = fg.Optimizer(split(b, lr=3e-2), fg.adamw(1e-2, weight_decay=0.1))
+    sa, sb = (
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.05, 0.1], total_steps=STEPS)
+        for o in (ta, tb)
+    )
+    assert_bitwise(run(b, tb, dtype, sched=sb), run(a, ta, dtype, sched=sa))
+    assert len(fused_calls) == 2 * STEPS
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_add_param_group_and_written_hyperparameters_on_the_fused_path(dtype, fused_calls):
+    """The head frozen, then added as a new group mid-training (progressive
+    unfreezing), while a hand-written schedule sets every group's lr, betas and
+    weight_decay each step."""
+
+    def build(model: nn.Module, make: Callable[..., Any]) -> Any:
+        for p in model[4].parameters():
+            p.requires_grad_(False)
+        return make([p for p in model.parameters() if p.requires_grad])
+
+    def before(i: int, model: nn.Module, opt: Any) -> None:
+        if i == STEPS // 2:
+            head = list(model[4].parameters())
+            for p in head:
+                p.requires_grad_(True)
+            opt.add_param_group({"params": head, "lr": 1e-3, "weight_decay": 0.0})
+        for j, g in enumerate(opt.param_groups):
+            g["lr"] = 1e-2 / (1 + i + j)
+            g["betas"] = (0.9 - 0.01 * i, 0.99)
+            g["weight_decay"] = 0.1 * (i % 3)
+
+    a, b = net(dtype), net(dtype)
+    ta = build(a, lambda ps: torch.optim.AdamW(ps, 1e-2, weight_decay=0.1, fused=True))
+    tb = build(b, lambda ps: fg.Optimizer(ps, fg.adamw(1e-2, weight_decay=0.1)))
+    assert_bitwise(run(b, tb, dtype, before), run(a, ta, dtype, before))
+    assert len(fused_calls) == STEPS + STEPS // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_rules_in_front_then_fused_adamw(dtype, fused_calls):
+    """chain(per-layer zero_fix, adamw): the rule on the gradients, then the fused
+    kernel; equal to torch's fused AdamW after the same rule written on ``.grad``.
+    Gradients with exact zeros: a ReLU layer's, and a layer whose output is multiplied
+    by 0 (an all-zero group, filled with 1.0)."""
+    rule = fg.rules.zero_fix()
+
+    def relu_net() -> nn.ModuleDict:
+        torch.manual_seed(0)
+        m = nn.ModuleDict({"a": nn.Linear(3, 8), "b": nn.Linear(8, 2), "dead": nn.Linear(3, 2)})
+        return m.to(dtype)
+
+    def loss(m: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = m["b"](torch.relu(m["a"](x))) + 0 * m["dead"](x)
+        return (out - y).float().pow(2).mean()
+
+    a, b = relu_net(), relu_net()
+    ta = torch.optim.AdamW(a.parameters(), 1e-2, fused=True)
+    tb = fg.Optimizer(b, fg.chain(fg.per_group(rule, fg.group_by_module(b)), fg.adamw(1e-2)))
+    x, y = data(dtype)
+    named = dict(a.named_parameters())
+    for _ in range(STEPS):
+        for m, opt in ((a, ta), (b, tb)):
+            opt.zero_grad()
+            loss(m, x, y).backward()
+            if m is a:
+                assert torch.equal(
+                    named["dead.weight"].grad, torch.zeros_like(named["dead.weight"])
+                )
+                for names in fg.group_by_module(a).values():
+                    fixed = rule({n: named[n].grad for n in names})
+                    for n in names:
+                        named[n].grad = fixed[n]
+            opt.step()
+    got = {n: p.detach() for n, p in b.named_parameters()}
+    assert_bitwise(got, {n: p.detach() for n, p in a.named_parameters()})
+    assert len(fused_calls) == STEPS
+
+
+def test_decay_mask_splits_the_kernel_calls(fused_calls):
+    """A mask (decay on matrices only) is torch's decay / no-decay groups."""
+    a, b = net(torch.float32), net(torch.float32)
+    groups = [
+        {"params": [p for p in a.parameters() if p.ndim == 2]},
+        {"params": [p for p in a.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    want = run(a, torch.optim.AdamW(groups, 1e-2, weight_decay=0.3, fused=True), torch.float32)
+    tx = fg.adamw(1e-2, weight_decay=0.3, mask=lambda n, p: p.ndim == 2)
+    assert_bitwise(run(b, fg.Optimizer(b, tx), torch.float32), want)
+    assert fused_calls == ["fg.adamw"] * STEPS
+
+
+def test_two_optimizers_interleaved(fused_calls):
+    """Two fg.Optimizers stepped in turn share nothing: each equals its own torch run."""
+    dt = torch.float64
+    models = [net(dt) for _ in range(4)]
+    for m, scale in zip(models[2:], (2.0, 3.0), strict=True):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(scale)
+    for m in models[:2]:
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), models[2 + models.index(m)].parameters(), strict=True):
+                p.copy_(q)
+    ours = [fg.Optimizer(models[0], fg.adamw(1e-2)), fg.Optimizer(models[1], fg.sgd(0.1, 0.9))]
+    torchs = [
+        torch.optim.AdamW(models[2].parameters(), 1e-2, fused=True),
+        torch.optim.SGD(models[3].parameters(), 0.1, 0.9, fused=True),
+    ]
+    x, y = data(dt)
+    for _ in range(STEPS):
+        for m, o in zip(models, ours + torchs, strict=True):
+            o.zero_grad()
+            (m(x) - y).pow(2).mean().backward()
+            o.step()
+    for i in range(2):
+        assert_bitwise(dict(models[i].named_parameters()), dict(models[2 + i].named_parameters()))
+    assert len(fused_calls) == 2 * STEPS
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: fg.adam(1e-2, eps_root=1e-8), id="eps_root"),
+        pytest.param(lambda: fg.rmsprop(1e-2), id="rmsprop"),
+        pytest.param(lambda: fg.chain(fg.adam(1e-2), fg.identity()), id="optimizer-not-last"),
+    ],
+)
+def test_the_rest_takes_the_general_path(make, fused_calls):
+    """What the fused kernels cannot compute runs as before: still a step."""
+    model = net(torch.float64)
+    start = copy.deepcopy(model)
+    run(model, fg.Optimizer(model, make()), torch.float64)
+    assert fused_calls == []
+    assert any(
+        not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters(), strict=True)
+    )
+
+
+def test_compiled_step_is_traced_not_fused(fused_calls):
+    """Under torch.compile(opt.step) the step is traced (the general path), and equal to
+    the eager fused run to float64 rounding."""
+    a, b = net(torch.float64), net(torch.float64)
+    want = run(a, fg.Optimizer(a, fg.adamw(1e-2)), torch.float64)
+    assert len(fused_calls) == STEPS
+    opt = fg.Optimizer(b, fg.adamw(1e-2))
+    opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
+    got = run(b, opt, torch.float64)
+    assert len(fused_calls) == STEPS
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
+
+
+def test_state_dict_after_fused_steps_resumes(fused_calls):
+    """The state the fused kernels write in place is the state a checkpoint saves."""
+    dt = torch.float32
+    a, b = net(dt), net(dt)
+    oa = fg.Optimizer(a, fg.adamw(1e-2))
+    run(a, oa, dt)
+    b.load_state_dict(a.state_dict())
+    ob = fg.Optimizer(b, fg.adamw(1e-2))
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    assert_bitwise(run(b, ob, dt), run(a, oa, dt))
+    assert len(fused_calls) == 3 * STEPS
