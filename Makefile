@@ -109,6 +109,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/study_flat_state.py
 	$(PY) benchmarks/bench_compile_cpu.py
+	$(PY) benchmarks/bench_drop_in.py
 	$(PY) benchmarks/bench_peers.py  # skipped unless: $(PY) -m pip install -e ".[bench]"
 
 clean:

@@ -26,6 +26,9 @@
 #    custom op inside the compiled step against funcgrad's compiled step (inductor's
 #    update) and a hand-written inductor update, bit for bit against
 #    Adam(fused=True) (#41 part 4): gpu_fused_adam.txt.
+# 6. benchmarks/bench_drop_in.py --device cuda: fg.Optimizer's eager step on CUDA's
+#    fused kernels against torch.optim.AdamW(fused=True), foreach, the compiled arms and
+#    HeavyBall where installed, three workloads (#52): gpu_drop_in.txt.
 #
 # Each check has its own time limit (seconds, scaled by GPU_TIME_SCALE, default 1) and
 # a failed or timed-out check does not stop the next: a device lent for 15 minutes
@@ -56,6 +59,7 @@ check gpu_tests 110 env FUNCGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cache
     tests/test_device.py
 check gpu_async 150 "$PY" benchmarks/bench_async.py --device cuda
 check gpu_fused_adam 80 "$PY" benchmarks/study_fused_adam_op.py --device cuda
+check gpu_drop_in 200 "$PY" benchmarks/bench_drop_in.py --device cuda --out "$OUT"
 check gpu_flat 60 "$PY" benchmarks/bench_flat_compiled.py --device cuda
 check gpu_scaling 110 "$PY" benchmarks/bench_scaling.py --device cuda --out "$OUT" \
     --layers 10 100 1000 --compile-layers 10 40

@@ -187,3 +187,20 @@ def compile_without_running(
             if attempt == tries - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+# -- torch._fused_adam_ / _fused_adamw_ / _fused_sgd_ ------------------------------------
+# The kernels of torch.optim.Adam/AdamW/SGD(fused=True), CPU and CUDA: one pass over each
+# parameter, gradient and moment, in place (fg.Optimizer's eager step,
+# funcgrad/optim/_fused.py). Checked on 2.13, 2.14 (signatures as in
+# aten/src/ATen/native/native_functions.yaml). Replacement: none public; without them
+# fg.Optimizer takes its general path (funcgrad's own kernel: same math, not the same
+# rounding as torch's fused).
+def fused_adam(*args: Any, decoupled: bool, **kwargs: Any) -> None:
+    """``torch._fused_adamw_`` (decoupled weight decay) or ``torch._fused_adam_``."""
+    (torch._fused_adamw_ if decoupled else torch._fused_adam_)(*args, **kwargs)
+
+
+def fused_sgd(*args: Any, **kwargs: Any) -> None:
+    """``torch._fused_sgd_``."""
+    torch._fused_sgd_(*args, **kwargs)

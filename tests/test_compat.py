@@ -143,3 +143,29 @@ def test_compile_without_running_a_step_that_restarts_torchs_analysis():
     built(params, state, x)
     for k, v in want.items():
         torch.testing.assert_close(params[k], v, rtol=1e-12, atol=1e-14)
+
+
+def test_fused_optimizer_kernels_are_torchs_fused_optimizers():
+    """fused_adam / fused_sgd are the kernels of torch.optim's fused=True, bit for bit."""
+    for cls, call in (
+        (torch.optim.AdamW, lambda p, g, s: _compat.fused_adam(
+            [p], [g], [s["exp_avg"]], [s["exp_avg_sq"]], [], [torch.tensor(1.0)], lr=0.1,
+            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+            maximize=False, decoupled=True)),
+        (torch.optim.Adam, lambda p, g, s: _compat.fused_adam(
+            [p], [g], [s["exp_avg"]], [s["exp_avg_sq"]], [], [torch.tensor(1.0)], lr=0.1,
+            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+            maximize=False, decoupled=False)),
+        (torch.optim.SGD, lambda p, g, s: _compat.fused_sgd(
+            [p], [g], [], weight_decay=0.01, momentum=0.0, lr=0.1, dampening=0.0,
+            nesterov=False, maximize=False, is_first_step=True)),
+    ):  # fmt: skip
+        w = torch.nn.Parameter(torch.randn(5))
+        g = torch.randn(5)
+        p = w.detach().clone()
+        opt = cls([w], lr=0.1, weight_decay=0.01, fused=True)
+        w.grad = g.clone()
+        opt.step()
+        state = {"exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)}
+        call(p, g.clone(), state)
+        assert torch.equal(p, w.detach()), cls

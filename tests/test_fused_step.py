@@ -164,8 +164,9 @@ def test_add_param_group_and_written_hyperparameters_on_the_fused_path(dtype, fu
     assert len(fused_calls) == STEPS + STEPS // 2
 
 
+@pytest.mark.parametrize("kind", ["chain", "named_chain+monitor"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-def test_rules_in_front_then_fused_adamw(dtype, fused_calls):
+def test_rules_in_front_then_fused_adamw(dtype, kind, fused_calls):
     """chain(per-layer zero_fix, adamw): the rule on the gradients, then the fused
     kernel; equal to torch's fused AdamW after the same rule written on ``.grad``.
     Gradients with exact zeros: a ReLU layer's, and a layer whose output is multiplied
@@ -183,7 +184,16 @@ def test_rules_in_front_then_fused_adamw(dtype, fused_calls):
 
     a, b = relu_net(), relu_net()
     ta = torch.optim.AdamW(a.parameters(), 1e-2, fused=True)
-    tb = fg.Optimizer(b, fg.chain(fg.per_group(rule, fg.group_by_module(b)), fg.adamw(1e-2)))
+    groups = fg.group_by_module(b)
+    if kind != "chain":  # the README's form: monitor, the rule, then the optimizer
+        tx = fg.named_chain(
+            ("monitor", fg.monitor(groups)),
+            ("rule", fg.per_group(rule, groups)),
+            ("adamw", fg.adamw(1e-2)),
+        )
+    else:
+        tx = fg.chain(fg.per_group(rule, groups), fg.adamw(1e-2))
+    tb = fg.Optimizer(b, tx)
     x, y = data(dtype)
     named = dict(a.named_parameters())
     for _ in range(STEPS):
@@ -202,6 +212,9 @@ def test_rules_in_front_then_fused_adamw(dtype, fused_calls):
     got = {n: p.detach() for n, p in b.named_parameters()}
     assert_bitwise(got, {n: p.detach() for n, p in a.named_parameters()})
     assert len(fused_calls) == STEPS
+    if kind != "chain":  # the monitor's state advanced on the fused path too
+        assert bool(tb.tx_state["monitor"].stats["dead"]["all_zero"])
+        assert int(tb.tx_state["adamw"].count) == STEPS
 
 
 def test_decay_mask_splits_the_kernel_calls(fused_calls):

@@ -32,13 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import compiling
+from .._compat import compiling, fused_adam, fused_sgd
 from ..core._base import GradientTransformation, State
 from ..core._combine import ChainState, ParamGroupsState
 from ._hparams import is_optimizer_state, mask_resolver, next_value, value64
-
-_KINDS = {"fg.adam", "fg.adamw", "fg.sgd"}
-_DEVICES = {"cpu", "cuda"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,8 @@ class _Group:
 class Plan:
     """Where the optimizer states sit in the state, and each group's optimizer."""
 
-    prefix: tuple[GradientTransformation, ...]  # the rules before it in a chain
+    chained: bool  # the optimizer is the last of a chain or named_chain
+    prefix: tuple[GradientTransformation, ...]  # the rules before it there
     groups: tuple[_Group, ...]
     grouped: bool  # the states are a ParamGroupsState's
 
@@ -62,11 +60,12 @@ def plan(full: GradientTransformation, state: State, names: Sequence[Sequence[st
     None where it has none."""
     prefix: tuple[GradientTransformation, ...] = ()
     opt, opt_state = full, state
-    if isinstance(state, ChainState):
+    chained = _chained(state)
+    if chained is not None:  # fg.chain or fg.named_chain: the optimizer last
         parts = full.facts.parts
-        if not parts or len(parts) != len(state.inner_states):
+        if not parts or len(parts) != len(chained):
             return None
-        prefix, opt, opt_state = tuple(parts[:-1]), parts[-1], state.inner_states[-1]
+        prefix, opt, opt_state = tuple(parts[:-1]), parts[-1], chained[-1]
     if is_optimizer_state(opt_state) and opt.facts.optimizer is not None:
         if len(names) != 1:
             return None
@@ -80,13 +79,29 @@ def plan(full: GradientTransformation, state: State, names: Sequence[Sequence[st
     groups = []
     for tx, group_names in zip(txs, names, strict=True):
         info = tx.facts.optimizer
-        if info is None or info.who not in _KINDS or not info.kwargs:
+        if info is None or info.who not in ("fg.adam", "fg.adamw", "fg.sgd") or not info.kwargs:
             return None
         if info.kwargs.get("eps_root", 0.0):
             return None
         decays = mask_resolver(info.kwargs.get("mask"), info.who)
         groups.append(_Group(tx, tuple(group_names), decays))
-    return Plan(prefix, tuple(groups), grouped)
+    return Plan(chained is not None, prefix, tuple(groups), grouped)
+
+
+def _chained(state: State) -> list[State] | None:
+    """The inner states of a ``chain``'s (a ``ChainState``) or ``named_chain``'s (a dict
+    by name, in order) state, else None."""
+    if isinstance(state, ChainState):
+        return list(state.inner_states)
+    if type(state) is dict and state:
+        return list(state.values())
+    return None
+
+
+def _rechained(state: State, inner: list[State]) -> State:
+    if isinstance(state, ChainState):
+        return ChainState(tuple(inner))
+    return dict(zip(state, inner, strict=True))
 
 
 def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tensor]) -> State | None:
@@ -95,7 +110,8 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
     this step cannot run fused (nothing has been written then)."""
     if compiling() or not params:
         return None
-    opt_state = state.inner_states[-1] if p.prefix else state
+    chained = _chained(state) if p.chained else None
+    opt_state = chained[-1] if chained is not None else state
     states = list(opt_state.inner_states) if p.grouped else [opt_state]
     calls = []
     for g, s in zip(p.groups, states, strict=True):
@@ -104,8 +120,8 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
             return None
         calls.append(call)
     prefix_states: list[State] = []
-    if p.prefix:
-        for tx, s in zip(p.prefix, state.inner_states[:-1], strict=True):
+    if chained is not None:
+        for tx, s in zip(p.prefix, chained[:-1], strict=True):
             grads, s = tx.update(grads, s, params)
             prefix_states.append(s)
         if not all(_fits(grads[n], params[n]) for n in params):
@@ -114,7 +130,7 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
         _step(g, s, call, params, grads) for g, s, call in zip(p.groups, states, calls, strict=True)
     ]
     inner = ParamGroupsState(tuple(new)) if p.grouped else new[0]
-    return ChainState((*prefix_states, inner)) if p.prefix else inner
+    return _rechained(state, [*prefix_states, inner]) if chained is not None else inner
 
 
 def _fits(g: Tensor, p: Tensor) -> bool:
@@ -152,7 +168,7 @@ def _prepare(g: _Group, s: Any, params: Mapping[str, Tensor]) -> tuple[Any, ...]
     for n in g.names:
         p = params[n]
         if (
-            p.device.type not in _DEVICES
+            p.device.type not in ("cpu", "cuda")  # fused kernels
             or not p.is_floating_point()
             or p.layout != torch.strided
             or hasattr(p, "placements")
@@ -217,7 +233,7 @@ def _step(
         w = wd if decays else 0.0
         if info.who == "fg.sgd":
             momentum = v.get("momentum", 0.0)  # 0.0 written to a group: plain SGD, as torch
-            torch._fused_sgd_(
+            fused_sgd(
                 ps, gs, ss[0] if ss and momentum != 0.0 else [],
                 weight_decay=w, momentum=momentum, lr=v["lr"],
                 dampening=v.get("dampening", 0.0), nesterov=bool(kwargs.get("nesterov")),
@@ -227,12 +243,12 @@ def _step(
         if device not in steps:
             steps[device] = count.to(device=device, dtype=torch.float32)
         decoupled = info.who == "fg.adamw" or bool(kwargs.get("decoupled_weight_decay"))
-        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
         b1, b2 = v["betas"]
-        fused(
+        fused_adam(
             ps, gs, ss[0], ss[1], ss[2] if len(ss) > 2 else [], [steps[device]] * len(ps),
             lr=v["lr"], beta1=b1, beta2=b2, weight_decay=w, eps=v["eps"],
             amsgrad=bool(kwargs.get("amsgrad")), maximize=bool(kwargs.get("maximize")),
+            decoupled=decoupled,
         )  # fmt: skip
     after = {k: next_value(info.hyper[k], e, count) for k, e in s.hyperparams.items()}
     return s._replace(count=count, hyperparams=after)

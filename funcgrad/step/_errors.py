@@ -60,6 +60,8 @@ def explain_buffer_write(err: BaseException, per_sample: bool = False) -> Runtim
     BatchNorm1d over one sample says "Expected more than 1 value per channel".
     """
     msg = str(err)
+    if per_sample and BUFFER_WRITE in msg:  # our own, whose buffers=True advice is refused
+        return RuntimeError(PER_SAMPLE_BATCHNORM)  # with per_sample=: one message, what works
     if per_sample and (
         "mutate a captured Tensor" in msg or "Expected more than 1 value per channel" in msg
     ):
