@@ -47,6 +47,17 @@ class Positional(nn.Module):
         return self.head(torch.tanh(h)).mean(1)
 
 
+class PositionalRow(Positional):
+    """GPT-2's and BERT's form: the positional embedding on ``arange(T)[None]``, a
+    ``(1, T, d)`` output added to the batch's ``(B, T, d)`` (it failed: the batch went
+    in front of the 1, and the sum broadcast to ``(B, B, T, d)``)."""
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1])[None]
+        h = self.tok(idx) + self.pos(pos) + self.scale(self.pos(pos))
+        return self.head(torch.tanh(h)).mean(1)
+
+
 class Tied(nn.Module):
     """Embedding and output head share one weight; the block runs twice."""
 
@@ -139,6 +150,13 @@ def _models():
         ),
         "positional-shared": (
             Positional(6),
+            lambda g: (
+                torch.randint(0, 9, (6, 6), generator=g),
+                torch.randint(0, 3, (6,), generator=g),
+            ),
+        ),
+        "positional-row-shared": (
+            PositionalRow(6),
             lambda g: (
                 torch.randint(0, 9, (6, 6), generator=g),
                 torch.randint(0, 3, (6,), generator=g),
@@ -410,6 +428,34 @@ def test_a_module_that_does_not_keep_the_batch_first_is_a_clear_error():
             fg.params(model).views(), torch.randn(5, 3, 4, dtype=torch.float64),
             torch.randint(0, 3, (5,)),
         )  # fmt: skip
+
+
+def test_a_shared_grid_the_model_permutes_is_refused_naming_the_module():
+    """T5's form: a relative position bias, an embedding on a (T, T) grid (the same for
+    every sample, no leading 1), then permuted: with the batch in front the permute
+    fails inside the model; the error is funcgrad's, naming the module."""
+
+    class GridBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(9, 4)
+            self.bias = nn.Embedding(5, 2)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, idx):
+            t = torch.arange(idx.shape[1])
+            grid = (t[:, None] - t[None, :]).clamp(0, 4)
+            weights = self.bias(grid).permute(2, 0, 1).softmax(-1)  # (heads, T, T)
+            h = torch.einsum("hts,bsd->bthd", weights, self.tok(idx)).flatten(2)
+            return self.head(h).mean(1)
+
+    model = GridBias().double()
+    with pytest.raises(
+        ValueError, match=re.escape("fg.ghost_clip: the module 'bias' runs without the batch")
+    ):
+        ghost_gradients(_loss(model), False, 1.0, "mean")(
+            fg.params(model).views(), torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,))
+        )
 
 
 def test_invalid_arguments():

@@ -60,6 +60,7 @@ class _Tap(threading.local):
         self.mode: str | None = None
         self.named: Sequence[tuple[str, Tensor]] = ()
         self.shapes: Shapes | None = None
+        self.owners: list[str] = []  # the probe's calls: a trained parameter's name each
         self.zs: Sequence[Tensor] = ()
         self.used = 0
         self.calls: list[_Call] | None = None
@@ -111,6 +112,15 @@ def _trained(module: nn.Module) -> dict[str, str]:
     return out
 
 
+def _broadcast_lead(shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether a shared call's outputs all lead with a dimension of 1 (a positional
+    embedding on ``arange(T)[None]``: ``(1, T, d)``, added to the batch's ``(B, T, d)``).
+    That dimension is where the batch broadcasts, so the batch goes there, ``(B, T, d)``,
+    rather than in front of it (``(B, 1, T, d)``, which the addition would broadcast to
+    ``(B, B, T, d)``); its output gradients get the 1 back (``(B, 1, T, d)``)."""
+    return bool(shapes) and all(len(s) > 0 and s[0] == 1 for s in shapes)
+
+
 def _float_leaves(output: Any) -> tuple[list[Any], Any]:
     """A module's output as leaves (torch's pytree, which dynamo traces) and its spec."""
     return tree_flatten(output)
@@ -131,10 +141,13 @@ def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         assert _TAP.shapes is not None
         index = len(_TAP.shapes)
         _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
+        _TAP.owners.append(next(iter(names.values())))
         if index < len(_TAP.shared) and _TAP.shared[index]:  # as the tap pass will: batched
             new = list(leaves)
+            lead = _broadcast_lead([tuple(leaves[i].shape) for i in slots])
             for i in slots:
-                new[i] = leaves[i].expand(_TAP.batch, *leaves[i].shape)
+                shape = leaves[i].shape[1:] if lead else leaves[i].shape
+                new[i] = leaves[i].expand(_TAP.batch, *shape)
             return tree_unflatten(new, spec)
         return None
     assert _TAP.calls is not None
@@ -211,7 +224,7 @@ def _pass_shapes(
 
     p = {k: torch.empty_like(v, device="meta") for k, v in params.items()} if meta else params
     with _Passing("probe", list(p.items()), rows) as tap, torch.no_grad():
-        tap.shapes, tap.shared = [], shared
+        tap.shapes, tap.shared, tap.owners = [], shared, []
         loss_fn(p, *(resized(b) for b in batch))
         return tap.shapes
 
@@ -266,16 +279,19 @@ def _probe(
     # with the shared calls found so far batched, each time settling the calls up to
     # the next shared one (once per shared call, plus one).
     settled: list[bool] = []
+    owners: list[str] = []
     for _ in range(1 + 4096):
         try:
             at_n, at_more = (
                 _pass_shapes(loss_fn, params, batch, n, r, meta, settled) for r in (n, n + 1)
             )
-        except (NotImplementedError, RuntimeError):  # an op without a meta kernel
-            if not meta:
-                raise
-            meta = False
-            continue
+        except (NotImplementedError, RuntimeError) as err:  # an op without a meta kernel
+            if meta:
+                meta = False
+                continue
+            _refuse_prepended(err, plan, settled, owners)
+            raise
+        owners = list(_TAP.owners)
         plan = _plan(at_n, at_more, n)
         now = [sh for _, sh in plan]
         later = [i for i in range(len(settled), len(now)) if now[i]]
@@ -287,6 +303,29 @@ def _probe(
             cache.clear()
         cache[key] = plan
     return plan
+
+
+def _refuse_prepended(
+    err: BaseException, plan: Plan, settled: list[bool], owners: list[str]
+) -> None:
+    """The forward failed once a shared call's output got the batch in front (a call
+    without the batch whose output has no leading 1, such as T5's relative position
+    bias on a ``(T, T)`` grid, then permuted): funcgrad's error, naming the module,
+    not the model's own from deep inside it."""
+    for i, on in enumerate(settled):
+        if on and i < len(plan) and i < len(owners):
+            if not _broadcast_lead([s for s, _ in plan[i][0]]):
+                module = owners[i].rsplit(".", 1)[0]
+                raise ValueError(
+                    f"fg.ghost_clip: the module '{module}' runs without the batch (its "
+                    f"output {plan[i][0][0][0]} is the same for every sample, and has no "
+                    "leading dimension of 1 for the batch to take). Ghost clipping gives "
+                    "each sample its own copy by putting the batch in front, which the "
+                    f"model's next operations refuse ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0][:200]}). Use "
+                    "per_sample=fg.clip_by_global_norm(max_norm) for this model (the vmap "
+                    "path), or freeze that module's parameters."
+                ) from err
 
 
 # -- per module type: norms and weighted sums from inputs a and output gradients b --
@@ -561,9 +600,12 @@ def ghost_gradients(
                 "per_sample=fg.clip_by_global_norm(max_norm) for this loss."
             )
         first = next(iter(params.values()))
+        lead = [sh and _broadcast_lead([s for s, _ in leaves]) for leaves, sh in shapes]
         zs = [
-            torch.zeros((n, *s) if shared else s, dtype=dt, device=first.device)
-            for leaves, shared in shapes
+            torch.zeros(
+                (n, *s[1:]) if lead[c] else (n, *s) if shared else s, dtype=dt, device=first.device
+            )
+            for c, (leaves, shared) in enumerate(shapes)
             for s, dt in leaves
         ]
         calls: list[_Call] = []
@@ -596,10 +638,12 @@ def ghost_gradients(
         # divided by n, folded into the norms (scale^2) and weights (scale) below.
         scale = float(n) if reduction == "mean" else 1.0
         it = iter(gz)
-        for c in calls:
+        for c, lead_c in zip(calls, lead, strict=True):
             leaves = [next(seen) if isinstance(t, Tensor) else t for t in c.leaves]
             c.args, c.kwargs = tree_unflatten(leaves, c.spec)
             c.grads = [next(it) for _ in range(c.n_out)]
+            if lead_c:  # (B, T, d) -> (B, 1, T, d): each sample's gradient of (1, T, d)
+                c.grads = [g.unsqueeze(1) for g in c.grads]
         layers = [_layer(c, n) for c in calls]
         reached: dict[str, int] = {}
         for c in calls:
@@ -614,8 +658,9 @@ def ghost_gradients(
                 "parameters through the modules that own them; use "
                 "per_sample=fg.clip_by_global_norm(max_norm) for this model."
             )
-        norms2 = torch.zeros(n, dtype=torch.promote_types(first.dtype, torch.float32),
-                             device=first.device)  # fmt: skip
+        norms2 = torch.zeros(
+            n, dtype=torch.promote_types(first.dtype, torch.float32), device=first.device
+        )
         # A call that shares a parameter with another: its per-sample gradients, summed
         # over the calls before the norm.
         shared: dict[str, Tensor] = {}

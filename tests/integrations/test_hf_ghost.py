@@ -1,0 +1,96 @@
+"""fg.ghost_clip on Hugging Face models built from tiny configs (random weights, nothing
+downloaded): GPT-2, BERT and Llama call their position embeddings on ``arange(T)[None]``
+(a ``(1, T, d)`` output shared by the samples), which failed inside transformers (#50).
+Each equals the vmap path (``per_sample=fg.clip_by_global_norm``) in float64; T5's
+relative position bias, a shared ``(T, T, heads)`` output the model then permutes, is
+refused with funcgrad's own error naming the module. Run by ``make test-integrations``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers as tf
+
+import funcgrad as fg
+from funcgrad.step._ghost import ghost_gradients
+
+C = 0.5
+V = 50
+
+
+def model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg: object = tf.GPT2Config(
+            vocab_size=V, n_positions=16, n_embd=16, n_layer=2, n_head=2, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        m = tf.GPT2LMHeadModel(cfg)
+    elif kind == "bert":
+        cfg = tf.BertConfig(
+            vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, num_labels=3,
+        )  # fmt: skip
+        m = tf.BertForSequenceClassification(cfg)
+    elif kind == "llama":
+        cfg = tf.LlamaConfig(
+            vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        m = tf.LlamaForCausalLM(cfg)
+    else:
+        cfg = tf.T5Config(
+            vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+            num_heads=2, dropout_rate=0.0,
+        )  # fmt: skip
+        m = tf.T5ForConditionalGeneration(cfg)
+    return m.double().eval()
+
+
+def loss_of(kind: str, m: torch.nn.Module):
+    def loss(p, ids, y):
+        if kind == "bert":
+            return torch.nn.functional.cross_entropy(fg.call(m, p, input_ids=ids).logits, y)
+        extra = {"decoder_input_ids": ids} if kind == "t5" else {}
+        out = fg.call(m, p, input_ids=ids, **extra).logits
+        return torch.nn.functional.cross_entropy(out.reshape(-1, V), ids.reshape(-1))
+
+    return loss
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, V, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_ghost_clip_equals_the_vmap_path(kind):
+    m = model(kind)
+    loss = loss_of(kind, m)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    ids, y = data()
+    ghost, _, _, _ = ghost_gradients(loss, False, C, "mean")(params, ids, y)
+    step = fg.make_step(loss, fg.sgd(lr=1.0), per_sample=fg.clip_by_global_norm(C))
+    p = {k: v.clone() for k, v in params.items()}
+    new, _, _ = step(p, fg.sgd(lr=1.0).init(p), ids, y)
+    for k in params:  # sgd(lr=1): new = p - grads
+        torch.testing.assert_close(p[k] - new[k], ghost[k], rtol=1e-10, atol=1e-12, msg=k)
+    assert any(g.abs().max() > 0 for g in ghost.values())
+
+
+def test_t5_relative_bias_is_refused_naming_the_module():
+    m = model("t5")
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    ids, y = data()
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "fg.ghost_clip: the module 'encoder.block.0.layer.0.SelfAttention."
+            "relative_attention_bias' runs without the batch"
+        ),
+    ):
+        ghost_gradients(loss_of("t5", m), False, C, "mean")(params, ids, y)
