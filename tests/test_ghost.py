@@ -58,6 +58,19 @@ class PositionalRow(Positional):
         return self.head(torch.tanh(h)).mean(1)
 
 
+class Attention(nn.Module):
+    """torch's own attention module (torchvision's ViT is built on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h, _ = self.attn(x, x, x, need_weights=False)
+        return self.head(h).mean(1)
+
+
 class Tied(nn.Module):
     """Embedding and output head share one weight; the block runs twice."""
 
@@ -161,6 +174,11 @@ def _models():
                 torch.randint(0, 9, (6, 6), generator=g),
                 torch.randint(0, 3, (6,), generator=g),
             ),
+        ),
+        # reads out_proj.weight without calling out_proj: the vmap of the whole module
+        "multihead-attention": (
+            Attention(),
+            lambda g: (torch.randn(6, 5, 8, generator=g), torch.randint(0, 3, (6,), generator=g)),
         ),
         "tied-twice-padding": (
             Tied(),

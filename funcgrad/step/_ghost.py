@@ -526,6 +526,24 @@ class _Vmapped(_Layer):
         return {call.names[o]: v for o, v in g.items()}
 
 
+def _adopt_read_directly(calls: list[_Call], params: Params) -> None:
+    """A trained parameter that no call of its own module reached, read directly by an
+    ancestor that was called (``nn.MultiheadAttention`` reads ``out_proj.weight``
+    without calling ``out_proj``): the smallest such ancestor's call takes it, and
+    its per-sample gradients come from the vmap of that module (:class:`_Vmapped`)."""
+    reached = {name for c in calls for name in c.names.values()}
+    for name, t in params.items():
+        if name in reached:
+            continue
+        best: tuple[int, _Call, str] | None = None
+        for c in calls:
+            for key, v in c.state.items():
+                if v is t and (best is None or len(c.state) < best[0]):
+                    best = (len(c.state), c, key)
+        if best is not None:
+            best[1].names[best[2]] = name
+
+
 def _layer(call: _Call, n: int) -> _Layer:
     """The fastest exact rule for this call's module (else :class:`_Vmapped`)."""
     m, args = call.module, call.args
@@ -644,6 +662,7 @@ def ghost_gradients(
             c.grads = [next(it) for _ in range(c.n_out)]
             if lead_c:  # (B, T, d) -> (B, 1, T, d): each sample's gradient of (1, T, d)
                 c.grads = [g.unsqueeze(1) for g in c.grads]
+        _adopt_read_directly(calls, params)
         layers = [_layer(c, n) for c in calls]
         reached: dict[str, int] = {}
         for c in calls:
@@ -653,8 +672,8 @@ def ghost_gradients(
         if missing:
             raise ValueError(
                 f"fg.ghost_clip: parameters {missing} are not used by any module call "
-                "(read directly in the loss, or in a module's forward through "
-                "functional ops on another module's parameters). Ghost clipping sees "
+                "(read directly in the loss, or through functional ops in the forward "
+                "of a module that owns no trained parameter itself). Ghost clipping sees "
                 "parameters through the modules that own them; use "
                 "per_sample=fg.clip_by_global_norm(max_norm) for this model."
             )
