@@ -5,7 +5,9 @@ weights and a module called twice; eager and compiled (inductor, one graph)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
 
 import pytest
 import torch
@@ -234,7 +236,10 @@ def test_ghost_gradients_equal_the_vmap_path_and_a_loop_over_samples(name):
     x, y = make(torch.Generator().manual_seed(1))
     if x.is_floating_point():
         x = x.double()
-    ghost, loss, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params.views(), x, y)
+    # where the vmap fallback reruns most of the model, the step says so (once)
+    heavy = name in ("fallback", "multihead-attention")
+    with pytest.warns(UserWarning, match="vmap fallback") if heavy else contextlib.nullcontext():
+        ghost, loss, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params.views(), x, y)
     want, norms = _loop_reference(model, params.views(), x, y, C)
     assert ((norms > C).any() and (norms < 1.5 * C).any()) or (norms > C).all()
     for k in want:
@@ -474,6 +479,35 @@ def test_a_shared_grid_the_model_permutes_is_refused_naming_the_module():
         ghost_gradients(_loss(model), False, 1.0, "mean")(
             fg.params(model).views(), torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,))
         )
+
+
+def test_a_parameter_of_the_root_module_is_reported_once():
+    """timm's ViT form: the root owns cls_token and pos_embed and calls its children,
+    so its vmap fallback covers the whole model; the step warns once, naming it."""
+
+    class RootOwned(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, 4))
+            self.embed = nn.Linear(3, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.embed(x)
+            h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], 1)
+            return self.head(torch.tanh(h[:, 0] + h[:, 1:].mean(1)))
+
+    model = RootOwned().double()
+    step = ghost_gradients(_loss(model), False, C, "mean")
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    with pytest.warns(UserWarning, match=re.escape("vmap fallback for the root module")):
+        got, _, _, _ = step(fg.params(model).views(), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(fg.params(model).views(), x, y)  # reported once per step
+    want, _ = _loop_reference(model, fg.params(model).views(), x, y, C)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
 
 
 def test_invalid_arguments():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -544,6 +545,40 @@ def _adopt_read_directly(calls: list[_Call], params: Params) -> None:
             best[1].names[best[2]] = name
 
 
+FALLBACK_SHARE = 0.5
+"""The share of the trained parameters from which a vmap fallback is reported."""
+
+
+def _report_fallbacks(layers: list[_Layer], params: Params, told: set[str]) -> None:
+    """Warn once per module (per ghost step) where a vmap fallback reruns a subtree
+    holding at least ``FALLBACK_SHARE`` of the trained parameters (a root module that
+    owns a parameter, such as a ViT's ``cls_token``, makes the whole model the
+    fallback): the ghost step then costs about what the vmap path costs."""
+    total = sum(p.numel() for p in params.values()) or 1
+    trained = {id(p) for p in params.values()}
+    for layer in layers:
+        if not isinstance(layer, _Vmapped):
+            continue
+        call = layer.call
+        covered = sum(t.numel() for t in call.state.values() if id(t) in trained)
+        own = next(iter(call.names.values()))
+        local = next(iter(call.names))
+        module = own[: -len(local)].rstrip(".") if own.endswith(local) else own
+        if covered / total < FALLBACK_SHARE or module in told:
+            continue
+        told.add(module)
+        where = f"module '{module}'" if module else "the root module"
+        warnings.warn(
+            f"fg.ghost_clip: the vmap fallback for {where} ({type(call.module).__name__}, "
+            f"which owns {sorted(call.names)} and has no per-sample rule) reruns a "
+            f"subtree holding {covered / total:.0%} of the trained parameters for every "
+            "sample, so this ghost step costs about what the vmap path costs. Move those "
+            "parameters into a module of their own (an nn.Embedding, a small module "
+            "adding them) or freeze them to keep the ghost cost.",
+            stacklevel=2,
+        )
+
+
 def _layer(call: _Call, n: int) -> _Layer:
     """The fastest exact rule for this call's module (else :class:`_Vmapped`)."""
     m, args = call.module, call.args
@@ -606,6 +641,7 @@ def ghost_gradients(
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
     install()
     cache: dict[Any, Plan] = {}
+    told: set[str] = set()  # the fallbacks already reported by this step
 
     def fn(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
@@ -664,6 +700,8 @@ def ghost_gradients(
                 c.grads = [g.unsqueeze(1) for g in c.grads]
         _adopt_read_directly(calls, params)
         layers = [_layer(c, n) for c in calls]
+        if not compiling():
+            _report_fallbacks(layers, params, told)
         reached: dict[str, int] = {}
         for c in calls:
             for name in c.names.values():
