@@ -47,6 +47,8 @@ from .optim._adagrad import adagrad as adagrad
 from .optim._adam import AdamState as AdamState
 from .optim._adam import adam as adam
 from .optim._adam import adamw as adamw
+from .optim._adamax import AdamaxState as AdamaxState
+from .optim._adamax import adamax as adamax
 from .optim._hparams import get_hyperparams as get_hyperparams
 from .optim._hparams import get_lr as get_lr
 from .optim._hparams import set_hyperparams as set_hyperparams

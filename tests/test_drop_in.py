@@ -457,6 +457,7 @@ TWINS = {
     fg.adagrad: torch.optim.Adagrad,
     fg.adafactor: torch.optim.Adafactor,
     fg.muon: torch.optim.Muon,
+    fg.adamax: torch.optim.Adamax,
 }
 IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable"}
 

@@ -1,6 +1,6 @@
 """PyTorch's own optimizer test matrix (``torch.testing._internal.common_optimizers``,
 code nobody here wrote) run through funcgrad: every config torch lists for Adam, AdamW,
-SGD, RMSprop, Adagrad, Adafactor and Muon, in float64 and float32, three ways:
+SGD, RMSprop, Adagrad, Adafactor, Muon and Adamax, in float64 and float32, three ways:
 
 - ``tx``: the functional transformation built with the config's keywords, ``tx.update``
   in a loop;
@@ -37,6 +37,7 @@ TWINS = {
     "Adagrad": fg.adagrad,
     "Adafactor": fg.adafactor,
     "Muon": fg.muon,
+    "Adamax": fg.adamax,
 }
 INFOS = {i.optim_cls.__name__: i for i in common.optim_db if i.optim_cls.__name__ in TWINS}
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")

@@ -33,6 +33,7 @@ MAKERS = {
     "lion": lambda: fg.lion(lr=0.01, weight_decay=0.1, mask=lambda n, p: p.ndim > 1),
     "adafactor": lambda: fg.adafactor(lr=0.05, weight_decay=0.1),
     "muon": lambda: fg.muon(lr=0.02),
+    "adamax": lambda: fg.adamax(lr=0.01, weight_decay=0.1, mask=lambda n, p: p.ndim > 1),
 }
 
 
@@ -217,6 +218,7 @@ def test_checkpoint_resumes_bit_for_bit(name, tmp_path):
         ("adagrad", "sum", -1.0),
         ("adafactor", "col_var", float("nan")),
         ("sgd", "momentum_buffer", float("inf")),
+        ("adamax", "exp_inf", -1.0),
     ],
 )
 def test_checkpoint_with_broken_invariants_is_refused(name, field, bad):
@@ -237,10 +239,11 @@ TORCH_TWINS = {
     "adafactor": (torch.optim.Adafactor, dict(lr=0.05, weight_decay=0.1)),
     "muon": (torch.optim.Muon, dict(lr=0.02)),
     "adamw": (torch.optim.AdamW, dict(lr=0.01, amsgrad=True)),
+    "adamax": (torch.optim.Adamax, dict(lr=0.01, weight_decay=0.1)),
 }
 FG_TWINS = {
     "sgd": fg.sgd, "rmsprop": fg.rmsprop, "adagrad": fg.adagrad, "adafactor": fg.adafactor,
-    "muon": fg.muon, "adamw": fg.adamw,
+    "muon": fg.muon, "adamw": fg.adamw, "adamax": fg.adamax,
 }  # fmt: skip
 
 
@@ -273,7 +276,7 @@ def test_migration_from_and_to_torch_optim(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "adafactor"])
+@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "adafactor", "adamax"])
 def test_half_precision_is_computed_in_float32(name, dtype):
     """Each step from the same state: funcgrad on half-precision parameters against
     torch.optim on their float32 copies (state synced through state_to_torch), rounded
@@ -415,7 +418,7 @@ def test_muon_under_vmap_and_grad():
     torch.testing.assert_close(torch.func.grad(weighted)(lr), weighted(lr) / lr, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "lion"])
+@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "lion", "adamax"])
 def test_eager_donated_step_writing_into_kept_buffers_is_bit_equal(name):
     """Large buffers (>= 32768 entries): the eager donated step writes each result of
     the update into buffers kept from the previous step (funcgrad/optim/_kernel.py's Ops);

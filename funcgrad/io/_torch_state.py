@@ -23,6 +23,7 @@ from ..core._base import GradientTransformation, State
 from ..optim._adafactor import AdafactorState
 from ..optim._adagrad import AdagradState
 from ..optim._adam import AdamState
+from ..optim._adamax import AdamaxState
 from ..optim._hparams import slot_fields
 from ..optim._muon import MuonState
 from ..optim._rmsprop import RMSpropState
@@ -62,6 +63,12 @@ _TWINS: dict[type, _Twin] = {
         ),
     ),
     AdagradState: _Twin((torch.optim.Adagrad,), {"sum": "sum"}, True, lambda g: {"sum"}),
+    AdamaxState: _Twin(
+        (torch.optim.Adamax,),
+        {"exp_avg": "exp_avg", "exp_inf": "exp_inf"},
+        True,
+        lambda g: {"exp_avg", "exp_inf"},
+    ),
     AdafactorState: _Twin(
         (torch.optim.Adafactor,),
         {"row_var": "row_var", "col_var": "col_var", "variance": "variance"},

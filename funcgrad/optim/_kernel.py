@@ -130,6 +130,9 @@ class Ops:
     def sign(self, a: Tensor) -> Tensor:
         return self._call(torch.sign, a)
 
+    def abs(self, a: Tensor) -> Tensor:
+        return self._call(torch.abs, a)
+
     def neg(self, a: Tensor) -> Tensor:
         return self._call(torch.neg, a)
 
@@ -226,6 +229,9 @@ class Lists(Ops):
 
     def sign(self, a: Any) -> Any:
         return list(torch._foreach_sign(a))
+
+    def abs(self, a: Any) -> Any:
+        return list(torch._foreach_abs(a))
 
     def neg(self, a: Any) -> Any:
         return list(torch._foreach_neg(a))

@@ -115,6 +115,7 @@ def optimizer_txs(m: nn.Module) -> dict[str, fg.GradientTransformation]:
         "adagrad": fg.adagrad(lr=0.1, lr_decay=0.1, initial_accumulator_value=0.1),
         "lion": fg.lion(lr=0.01, weight_decay=0.1),
         "adafactor": fg.adafactor(lr=0.05, weight_decay=0.1),
+        "adamax": fg.adamax(lr=0.01, weight_decay=0.1, maximize=True),
         "muon": fg.partition({"muon": fg.muon(lr=0.02), "adamw": fg.adamw(lr=0.01)}, labels),
     }
     return {k: fg.skip_if_nonfinite(tx) for k, tx in txs.items()}
