@@ -58,6 +58,8 @@ from .optim._lion import lion as lion
 from .optim._muon import MuonState as MuonState
 from .optim._muon import muon as muon
 from .optim._param_groups import grouped as grouped
+from .optim._radam import RAdamState as RAdamState
+from .optim._radam import radam as radam
 from .optim._rmsprop import RMSpropState as RMSpropState
 from .optim._rmsprop import rmsprop as rmsprop
 from .optim._schedules import cosine_decay as cosine_decay

@@ -458,6 +458,7 @@ TWINS = {
     fg.adafactor: torch.optim.Adafactor,
     fg.muon: torch.optim.Muon,
     fg.adamax: torch.optim.Adamax,
+    fg.radam: torch.optim.RAdam,
 }
 IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable"}
 

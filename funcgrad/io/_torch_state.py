@@ -26,6 +26,7 @@ from ..optim._adam import AdamState
 from ..optim._adamax import AdamaxState
 from ..optim._hparams import slot_fields
 from ..optim._muon import MuonState
+from ..optim._radam import RAdamState
 from ..optim._rmsprop import RMSpropState
 from ..optim._sgd import SGDState
 
@@ -63,6 +64,12 @@ _TWINS: dict[type, _Twin] = {
         ),
     ),
     AdagradState: _Twin((torch.optim.Adagrad,), {"sum": "sum"}, True, lambda g: {"sum"}),
+    RAdamState: _Twin(
+        (torch.optim.RAdam,),
+        {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
+        True,
+        lambda g: {"exp_avg", "exp_avg_sq"},
+    ),
     AdamaxState: _Twin(
         (torch.optim.Adamax,),
         {"exp_avg": "exp_avg", "exp_inf": "exp_inf"},
