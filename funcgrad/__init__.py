@@ -40,6 +40,8 @@ from .io._torch_state import adam_state_from_torch as adam_state_from_torch
 from .io._torch_state import adam_state_to_torch as adam_state_to_torch
 from .io._torch_state import state_from_torch as state_from_torch
 from .io._torch_state import state_to_torch as state_to_torch
+from .optim._adadelta import AdadeltaState as AdadeltaState
+from .optim._adadelta import adadelta as adadelta
 from .optim._adafactor import AdafactorState as AdafactorState
 from .optim._adafactor import adafactor as adafactor
 from .optim._adagrad import AdagradState as AdagradState

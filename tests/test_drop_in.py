@@ -459,6 +459,7 @@ TWINS = {
     fg.muon: torch.optim.Muon,
     fg.adamax: torch.optim.Adamax,
     fg.radam: torch.optim.RAdam,
+    fg.adadelta: torch.optim.Adadelta,
 }
 IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable"}
 

@@ -1,6 +1,6 @@
 """PyTorch's own optimizer test matrix (``torch.testing._internal.common_optimizers``,
 code nobody here wrote) run through funcgrad: every config torch lists for Adam, AdamW,
-SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax and RAdam, in float64 and float32, three ways:
+SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam and Adadelta, in float64 and float32, three ways:
 
 - ``tx``: the functional transformation built with the config's keywords, ``tx.update``
   in a loop;
@@ -39,6 +39,7 @@ TWINS = {
     "Muon": fg.muon,
     "Adamax": fg.adamax,
     "RAdam": fg.radam,
+    "Adadelta": fg.adadelta,
 }
 INFOS = {i.optim_cls.__name__: i for i in common.optim_db if i.optim_cls.__name__ in TWINS}
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")

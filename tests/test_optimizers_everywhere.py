@@ -36,6 +36,7 @@ MAKERS = {
     "adamax": lambda: fg.adamax(lr=0.01, weight_decay=0.1, mask=lambda n, p: p.ndim > 1),
     # betas=(0.5, 0.7): the rectified branch from the fourth step
     "radam": lambda: fg.radam(0.01, (0.5, 0.7), 1e-8, 0.1, True),
+    "adadelta": lambda: fg.adadelta(lr=0.5, rho=0.8, weight_decay=0.1, maximize=True),
 }
 
 
@@ -221,6 +222,7 @@ def test_checkpoint_resumes_bit_for_bit(name, tmp_path):
         ("adafactor", "col_var", float("nan")),
         ("sgd", "momentum_buffer", float("inf")),
         ("adamax", "exp_inf", -1.0),
+        ("adadelta", "acc_delta", -1.0),
     ],
 )
 def test_checkpoint_with_broken_invariants_is_refused(name, field, bad):
@@ -243,11 +245,12 @@ TORCH_TWINS = {
     "adamw": (torch.optim.AdamW, dict(lr=0.01, amsgrad=True)),
     "adamax": (torch.optim.Adamax, dict(lr=0.01, weight_decay=0.1)),
     "radam": (torch.optim.RAdam, dict(lr=0.01, betas=(0.5, 0.7), weight_decay=0.1)),
+    "adadelta": (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1)),
 }
 FG_TWINS = {
     "sgd": fg.sgd, "rmsprop": fg.rmsprop, "adagrad": fg.adagrad, "adafactor": fg.adafactor,
     "muon": fg.muon, "adamw": fg.adamw, "adamax": fg.adamax,
-    "radam": fg.radam,
+    "radam": fg.radam, "adadelta": fg.adadelta,
 }  # fmt: skip
 
 
@@ -280,7 +283,9 @@ def test_migration_from_and_to_torch_optim(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "adafactor", "adamax", "radam"])
+@pytest.mark.parametrize(
+    "name", ["sgd", "rmsprop", "adagrad", "adafactor", "adamax", "radam", "adadelta"]
+)
 def test_half_precision_is_computed_in_float32(name, dtype):
     """Each step from the same state: funcgrad on half-precision parameters against
     torch.optim on their float32 copies (state synced through state_to_torch), rounded
@@ -422,7 +427,9 @@ def test_muon_under_vmap_and_grad():
     torch.testing.assert_close(torch.func.grad(weighted)(lr), weighted(lr) / lr, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("name", ["sgd", "rmsprop", "adagrad", "lion", "adamax", "radam"])
+@pytest.mark.parametrize(
+    "name", ["sgd", "rmsprop", "adagrad", "lion", "adamax", "radam", "adadelta"]
+)
 def test_eager_donated_step_writing_into_kept_buffers_is_bit_equal(name):
     """Large buffers (>= 32768 entries): the eager donated step writes each result of
     the update into buffers kept from the previous step (funcgrad/optim/_kernel.py's Ops);

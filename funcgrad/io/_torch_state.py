@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..core import _flat as flat
 from ..core._base import GradientTransformation, State
+from ..optim._adadelta import AdadeltaState
 from ..optim._adafactor import AdafactorState
 from ..optim._adagrad import AdagradState
 from ..optim._adam import AdamState
@@ -64,6 +65,12 @@ _TWINS: dict[type, _Twin] = {
         ),
     ),
     AdagradState: _Twin((torch.optim.Adagrad,), {"sum": "sum"}, True, lambda g: {"sum"}),
+    AdadeltaState: _Twin(
+        (torch.optim.Adadelta,),
+        {"square_avg": "square_avg", "acc_delta": "acc_delta"},
+        True,
+        lambda g: {"square_avg", "acc_delta"},
+    ),
     RAdamState: _Twin(
         (torch.optim.RAdam,),
         {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
