@@ -64,6 +64,8 @@ from .optim._radam import RAdamState as RAdamState
 from .optim._radam import radam as radam
 from .optim._rmsprop import RMSpropState as RMSpropState
 from .optim._rmsprop import rmsprop as rmsprop
+from .optim._rprop import RpropState as RpropState
+from .optim._rprop import rprop as rprop
 from .optim._schedules import cosine_decay as cosine_decay
 from .optim._schedules import join_schedules as join_schedules
 from .optim._schedules import linear_schedule as linear_schedule

@@ -460,6 +460,7 @@ TWINS = {
     fg.adamax: torch.optim.Adamax,
     fg.radam: torch.optim.RAdam,
     fg.adadelta: torch.optim.Adadelta,
+    fg.rprop: torch.optim.Rprop,
 }
 IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable"}
 

@@ -1,6 +1,7 @@
 """PyTorch's own optimizer test matrix (``torch.testing._internal.common_optimizers``,
 code nobody here wrote) run through funcgrad: every config torch lists for Adam, AdamW,
-SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam and Adadelta, in float64 and float32, three ways:
+SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam, Adadelta and Rprop, in
+float64 and float32, three ways:
 
 - ``tx``: the functional transformation built with the config's keywords, ``tx.update``
   in a loop;
@@ -40,6 +41,7 @@ TWINS = {
     "Adamax": fg.adamax,
     "RAdam": fg.radam,
     "Adadelta": fg.adadelta,
+    "Rprop": fg.rprop,
 }
 INFOS = {i.optim_cls.__name__: i for i in common.optim_db if i.optim_cls.__name__ in TWINS}
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")

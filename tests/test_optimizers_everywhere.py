@@ -37,6 +37,7 @@ MAKERS = {
     # betas=(0.5, 0.7): the rectified branch from the fourth step
     "radam": lambda: fg.radam(0.01, (0.5, 0.7), 1e-8, 0.1, True),
     "adadelta": lambda: fg.adadelta(lr=0.5, rho=0.8, weight_decay=0.1, maximize=True),
+    "rprop": lambda: fg.rprop(0.01, (0.4, 1.3), (1e-4, 0.05), maximize=True),
 }
 
 
@@ -246,11 +247,12 @@ TORCH_TWINS = {
     "adamax": (torch.optim.Adamax, dict(lr=0.01, weight_decay=0.1)),
     "radam": (torch.optim.RAdam, dict(lr=0.01, betas=(0.5, 0.7), weight_decay=0.1)),
     "adadelta": (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1)),
+    "rprop": (torch.optim.Rprop, dict(lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-4, 0.05))),
 }
 FG_TWINS = {
     "sgd": fg.sgd, "rmsprop": fg.rmsprop, "adagrad": fg.adagrad, "adafactor": fg.adafactor,
     "muon": fg.muon, "adamw": fg.adamw, "adamax": fg.adamax,
-    "radam": fg.radam, "adadelta": fg.adadelta,
+    "radam": fg.radam, "adadelta": fg.adadelta, "rprop": fg.rprop,
 }  # fmt: skip
 
 

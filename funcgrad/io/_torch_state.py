@@ -29,6 +29,7 @@ from ..optim._hparams import slot_fields
 from ..optim._muon import MuonState
 from ..optim._radam import RAdamState
 from ..optim._rmsprop import RMSpropState
+from ..optim._rprop import RpropState
 from ..optim._sgd import SGDState
 
 
@@ -70,6 +71,12 @@ _TWINS: dict[type, _Twin] = {
         {"square_avg": "square_avg", "acc_delta": "acc_delta"},
         True,
         lambda g: {"square_avg", "acc_delta"},
+    ),
+    RpropState: _Twin(
+        (torch.optim.Rprop,),
+        {"prev": "prev", "step_size": "step_size"},
+        True,
+        lambda g: {"prev", "step_size"},
     ),
     RAdamState: _Twin(
         (torch.optim.RAdam,),

@@ -118,6 +118,7 @@ def optimizer_txs(m: nn.Module) -> dict[str, fg.GradientTransformation]:
         "adamax": fg.adamax(lr=0.01, weight_decay=0.1, maximize=True),
         "radam": fg.radam(lr=0.01, betas=(0.5, 0.7), weight_decay=0.1),
         "adadelta": fg.adadelta(lr=0.5, weight_decay=0.1),
+        "rprop": fg.rprop(lr=0.01, etas=(0.4, 1.3)),
         "muon": fg.partition({"muon": fg.muon(lr=0.02), "adamw": fg.adamw(lr=0.01)}, labels),
     }
     return {k: fg.skip_if_nonfinite(tx) for k, tx in txs.items()}
