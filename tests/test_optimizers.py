@@ -123,6 +123,24 @@ def test_muon_equal_to_torch_muon(kw, layout):
     assert_params_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_muon_spectral_unclamped_scales_by_sqrt_rows_over_cols():
+    """torch 2.14's adjust_lr_fn="spectral_unclamped" (lr * sqrt(A / B), without the
+    original's max(1, .)): on torch 2.13, which lacks it, against the original ratio
+    (the 2.14 run compares it with torch.optim.Muon in tests/test_optim_db.py)."""
+    g = torch.Generator().manual_seed(0)
+    params = {"wide": torch.randn(3, 5, generator=g), "tall": torch.randn(6, 2, generator=g)}
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+
+    def update(fn):
+        tx = fg.muon(lr=0.1, weight_decay=0.0, adjust_lr_fn=fn)
+        return tx.update(grads, tx.init(params), params)[0]
+
+    got, original = update("spectral_unclamped"), update("original")
+    for k, (a, b) in (("wide", (3, 5)), ("tall", (6, 2))):
+        scale = (a / b) ** 0.5 / max(1.0, a / b) ** 0.5
+        torch.testing.assert_close(got[k], original[k] * scale, rtol=1e-6, atol=1e-8)
+
+
 def lion_reference(params, grads_per_step, lr, b1, b2, wd, decays):
     """The paper's Lion (Chen et al. 2023, Program 1), tensor by tensor, in place."""
     p = {n: t.clone() for n, t in params.items()}

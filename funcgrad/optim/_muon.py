@@ -52,7 +52,7 @@ hyperparameters(
     eps=check_eps,
 )
 
-_RATIOS = (None, "original", "match_rms_adamw")
+_RATIOS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
 
 def orthogonalize(
@@ -75,6 +75,8 @@ def orthogonalize(
 def _ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "spectral_unclamped":  # torch 2.14's third choice
+        return math.sqrt(rows / cols)
     return 0.2 * math.sqrt(max(rows, cols))
 
 
@@ -115,10 +117,11 @@ def muon(
         O    = NewtonSchulz(M)                      (bfloat16)
         u_t  = -lr * wd * W - lr * ratio * O         (weight decay where mask says so)
 
-    ``ratio`` is ``sqrt(max(1, A / B))`` (``adjust_lr_fn=None`` or ``"original"``) or
+    ``ratio`` is ``sqrt(max(1, A / B))`` (``adjust_lr_fn=None`` or ``"original"``),
     ``0.2 * sqrt(max(A, B))`` (``"match_rms_adamw"``, so that the update's RMS matches
-    AdamW's). Muon is for the hidden 2-D weights only: embeddings, the output head,
-    biases and norms go to AdamW (``fg.partition``, see ``docs/optimizers.md``).
+    AdamW's) or ``sqrt(A / B)`` (``"spectral_unclamped"``, added in torch 2.14). Muon is
+    for the hidden 2-D weights only: embeddings, the output head, biases and norms go to
+    AdamW (``fg.partition``, see ``docs/optimizers.md``).
 
     Under ``fg.sharded`` each matrix is gathered whole for the iteration (one
     all-gather of the momentum per matrix) and every rank keeps its rows of the result.
@@ -142,7 +145,7 @@ def muon(
     if adjust_lr_fn not in _RATIOS:
         raise ValueError(
             f"Adjust learning rate function {adjust_lr_fn} is not supported; use None, "
-            "'original' or 'match_rms_adamw'."
+            "'original', 'match_rms_adamw' or 'spectral_unclamped'."
         )
     if not (isinstance(ns_coefficients, (tuple, list)) and len(ns_coefficients) == 3):
         raise ValueError(f"Coefficients must be a tuple of exactly 3 values: {ns_coefficients!r}")
