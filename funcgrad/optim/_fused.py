@@ -133,13 +133,15 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
     return _rechained(state, [*prefix_states, inner]) if chained is not None else inner
 
 
-def _fits(g: Tensor, p: Tensor) -> bool:
+def _fits(t: Any, p: Tensor) -> bool:
+    """``t`` (a gradient or a moment) is a dense tensor shaped and typed as ``p``."""
     return (
-        g.dtype == p.dtype
-        and g.device == p.device
-        and g.shape == p.shape
-        and g.layout == torch.strided
-        and not g.requires_grad
+        isinstance(t, Tensor)
+        and t.dtype == p.dtype
+        and t.device == p.device
+        and t.shape == p.shape
+        and t.layout == torch.strided
+        and not t.requires_grad
     )
 
 
@@ -172,7 +174,7 @@ def _prepare(g: _Group, s: Any, params: Mapping[str, Tensor]) -> tuple[Any, ...]
             or not p.is_floating_point()
             or p.layout != torch.strided
             or hasattr(p, "placements")
-            or any(not _same_as(t[n], p) for t in slots)
+            or any(not _fits(t[n], p) for t in slots)
         ):
             return None
     hp = _leaves(s.hyperparams)
@@ -180,16 +182,6 @@ def _prepare(g: _Group, s: Any, params: Mapping[str, Tensor]) -> tuple[Any, ...]
         return None
     mine = {n: params[n] for n in g.names}
     return slots, g.decays(mine) if "weight_decay" in s.hyperparams else {}
-
-
-def _same_as(t: Tensor, p: Tensor) -> bool:
-    return (
-        isinstance(t, Tensor)
-        and t.shape == p.shape
-        and t.dtype == p.dtype
-        and t.device == p.device
-        and not t.requires_grad
-    )
 
 
 def _leaves(hp: Mapping[str, Any]) -> list[Tensor]:
@@ -211,14 +203,12 @@ def _step(
     slots, decay = call
     count = s.count + 1
     hp = {k: value64(v, count) for k, v in s.hyperparams.items()}
-    keys = list(hp)
-    flat = [t for k in keys for t in (hp[k] if isinstance(hp[k], tuple) else (hp[k],))]
-    values = torch.stack([*flat, s.count.to(torch.float64)]).tolist()
+    values = torch.stack([*_leaves(hp), s.count.to(torch.float64)]).tolist()
     first = values.pop() == 0
     read = iter(values)
     v: dict[str, Any] = {
-        k: tuple(next(read) for _ in hp[k]) if isinstance(hp[k], tuple) else next(read)
-        for k in keys
+        k: tuple(next(read) for _ in e) if isinstance(e, tuple) else next(read)
+        for k, e in hp.items()
     }
     wd = v.get("weight_decay", 0.0)
     buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}

@@ -61,7 +61,7 @@ class _Tap(threading.local):
         self.mode: str | None = None
         self.named: Sequence[tuple[str, Tensor]] = ()
         self.shapes: Shapes | None = None
-        self.owners: list[str] = []  # the probe's calls: a trained parameter's name each
+        self.owners: list[str] = []  # the probe's calls: each module's path
         self.zs: Sequence[Tensor] = ()
         self.used = 0
         self.calls: list[_Call] | None = None
@@ -113,6 +113,13 @@ def _trained(module: nn.Module) -> dict[str, str]:
     return out
 
 
+def _module_path(names: dict[str, str]) -> str:
+    """The module's path in the model (``""`` for the root) from its trained parameters'
+    own name -> full name; the first entry is one of its own (``_trained``)."""
+    own, full = next(iter(names.items()))
+    return full[: len(full) - len(own)].rstrip(".")
+
+
 def _broadcast_lead(shapes: Sequence[tuple[int, ...]]) -> bool:
     """Whether a shared call's outputs all lead with a dimension of 1 (a positional
     embedding on ``arange(T)[None]``: ``(1, T, d)``, added to the batch's ``(B, T, d)``).
@@ -142,7 +149,7 @@ def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         assert _TAP.shapes is not None
         index = len(_TAP.shapes)
         _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
-        _TAP.owners.append(next(iter(names.values())))
+        _TAP.owners.append(_module_path(names))
         if index < len(_TAP.shared) and _TAP.shared[index]:  # as the tap pass will: batched
             new = list(leaves)
             lead = _broadcast_lead([tuple(leaves[i].shape) for i in slots])
@@ -316,9 +323,8 @@ def _refuse_prepended(
     for i, on in enumerate(settled):
         if on and i < len(plan) and i < len(owners):
             if not _broadcast_lead([s for s, _ in plan[i][0]]):
-                module = owners[i].rsplit(".", 1)[0]
                 raise ValueError(
-                    f"fg.ghost_clip: the module '{module}' runs without the batch (its "
+                    f"fg.ghost_clip: the module '{owners[i]}' runs without the batch (its "
                     f"output {plan[i][0][0][0]} is the same for every sample, and has no "
                     "leading dimension of 1 for the batch to take). Ghost clipping gives "
                     "each sample its own copy by putting the batch in front, which the "
@@ -561,9 +567,7 @@ def _report_fallbacks(layers: list[_Layer], params: Params, told: set[str]) -> N
             continue
         call = layer.call
         covered = sum(t.numel() for t in call.state.values() if id(t) in trained)
-        own = next(iter(call.names.values()))
-        local = next(iter(call.names))
-        module = own[: -len(local)].rstrip(".") if own.endswith(local) else own
+        module = _module_path(call.names)
         if covered / total < FALLBACK_SHARE or module in told:
             continue
         told.add(module)
