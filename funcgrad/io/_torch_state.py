@@ -42,6 +42,12 @@ class _Twin(NamedTuple):
     fields: Callable[[Mapping[str, Any]], set[str]] | None  # fields in use, from a param group
 
 
+def _plain_twin(state: type, cls: type) -> _Twin:
+    """A twin whose state keys are the fields' names, all always in use, with a "step"."""
+    fields = slot_fields(state)
+    return _Twin((cls,), {f: f for f in fields}, True, lambda g: set(fields))
+
+
 _TWINS: dict[type, _Twin] = {
     AdamState: _Twin(
         (torch.optim.Adam, torch.optim.AdamW),
@@ -65,31 +71,11 @@ _TWINS: dict[type, _Twin] = {
             | ({"grad_avg"} if g["centered"] else set())
         ),
     ),
-    AdagradState: _Twin((torch.optim.Adagrad,), {"sum": "sum"}, True, lambda g: {"sum"}),
-    AdadeltaState: _Twin(
-        (torch.optim.Adadelta,),
-        {"square_avg": "square_avg", "acc_delta": "acc_delta"},
-        True,
-        lambda g: {"square_avg", "acc_delta"},
-    ),
-    RpropState: _Twin(
-        (torch.optim.Rprop,),
-        {"prev": "prev", "step_size": "step_size"},
-        True,
-        lambda g: {"prev", "step_size"},
-    ),
-    RAdamState: _Twin(
-        (torch.optim.RAdam,),
-        {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
-        True,
-        lambda g: {"exp_avg", "exp_avg_sq"},
-    ),
-    AdamaxState: _Twin(
-        (torch.optim.Adamax,),
-        {"exp_avg": "exp_avg", "exp_inf": "exp_inf"},
-        True,
-        lambda g: {"exp_avg", "exp_inf"},
-    ),
+    AdagradState: _plain_twin(AdagradState, torch.optim.Adagrad),
+    AdadeltaState: _plain_twin(AdadeltaState, torch.optim.Adadelta),
+    RpropState: _plain_twin(RpropState, torch.optim.Rprop),
+    RAdamState: _plain_twin(RAdamState, torch.optim.RAdam),
+    AdamaxState: _plain_twin(AdamaxState, torch.optim.Adamax),
     AdafactorState: _Twin(
         (torch.optim.Adafactor,),
         {"row_var": "row_var", "col_var": "col_var", "variance": "variance"},
