@@ -34,29 +34,22 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_step import RULE, eager_rule_on_grads, interleaved, mlp
 from torch import nn
 
 import funcgrad as fg
 
-RULE = fg.rules.zero_fix()
 LR, WD = 1e-3, 1e-2
 
 
 def workloads(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], int, int, int]]:
     """name -> (model factory, input width, output width, batch)."""
-
-    def mlp() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-            nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10),
-        )  # fmt: skip
 
     def many() -> nn.Module:
         layers: list[nn.Module] = []
@@ -77,38 +70,6 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], int, int,
         "40x64^2": (many, 64, 64, 64),
         big_name: (big, 1024 if quick else 3132, 1024 if quick else 3132, 16),
     }
-
-
-def interleaved(
-    fns: dict[str, Callable[[], object]],
-    repeats: int,
-    number: int,
-    warmup: int,
-    sync: Callable[[], None],
-) -> dict[str, float]:
-    """Median seconds per call of each fn, timed round-robin."""
-    for f in fns.values():
-        for _ in range(warmup):
-            f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            sync()
-            t = time.perf_counter()
-            for _ in range(number):
-                f()
-            sync()
-            times[name].append((time.perf_counter() - t) / number)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def eager_rule(model: nn.Module, groups: fg.Groups) -> None:
-    """The correct rule for torch.optim users: after backward, per layer, on .grad."""
-    named = dict(model.named_parameters())
-    for names in groups.values():
-        fixed = RULE({n: named[n].grad for n in names})
-        for n in names:
-            named[n].grad = fixed[n]
 
 
 def arms(
@@ -134,7 +95,7 @@ def arms(
             opt.zero_grad()
             loss(m).backward()
             if rule:
-                eager_rule(m, groups)
+                eager_rule_on_grads(m, groups)
             step()
 
         steps[name] = whole
@@ -201,7 +162,7 @@ def _update_alone(m: nn.Module, opt: torch.optim.Optimizer, rule: bool) -> Calla
         for n, p in named:
             p.grad = grads[n]
         if rule:
-            eager_rule(m, groups)
+            eager_rule_on_grads(m, groups)
         opt.step()
 
     return step
