@@ -34,26 +34,34 @@ class Steps(torch.utils.data.Dataset):
         return {"x": batch(i)}
 
 
-def test_hf_trainer_equals_the_same_steps_by_hand(tmp_path):
-    model = SeedNet()
-    opt = fg.Optimizer(model.net, named_seed_tx(model.net))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
-    args = TrainingArguments(
+def _args(tmp_path, **kwargs) -> TrainingArguments:
+    """STEPS steps of one item on the CPU, nothing saved, logged or reported."""
+    return TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=STEPS,
         per_device_train_batch_size=1,
-        max_grad_norm=0.0,  # Trainer clips at 1.0 by default; the hand loop does not
         use_cpu=True,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        **kwargs,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Steps(), optimizers=(opt, sched))
+
+
+def _train(trainer: Trainer) -> None:
     # in order, as the hand loop: Trainer shuffles by default
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Steps())
     trainer.train()
+
+
+def test_hf_trainer_equals_the_same_steps_by_hand(tmp_path):
+    model = SeedNet()
+    opt = fg.Optimizer(model.net, named_seed_tx(model.net))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    args = _args(tmp_path, max_grad_norm=0.0)  # Trainer clips at 1.0; the hand loop does not
+    _train(Trainer(model=model, args=args, train_dataset=Steps(), optimizers=(opt, sched)))
     assert int(opt.tx_state["adam"].count) == STEPS
 
     want_net, want_opt = by_hand()
@@ -71,28 +79,15 @@ def test_hf_trainer_equals_the_same_steps_by_hand(tmp_path):
 
 def _trainer_run(tmp_path, optimizer_cls_and_kwargs):
     model = SeedNet()
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=STEPS,
-        per_device_train_batch_size=1,
-        learning_rate=1e-2,
-        weight_decay=0.1,  # Trainer's decay group; biases go to its weight_decay=0.0 group
-        warmup_steps=2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    # weight_decay: Trainer's decay group; biases go to its weight_decay=0.0 group
+    args = _args(tmp_path, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2)
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=Steps(),
         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
     )
-    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Steps())
-    trainer.train()
+    _train(trainer)
     return model, trainer.optimizer
 
 
