@@ -51,6 +51,8 @@ from .optim._adam import adam as adam
 from .optim._adam import adamw as adamw
 from .optim._adamax import AdamaxState as AdamaxState
 from .optim._adamax import adamax as adamax
+from .optim._asgd import ASGDState as ASGDState
+from .optim._asgd import asgd as asgd
 from .optim._hparams import get_hyperparams as get_hyperparams
 from .optim._hparams import get_lr as get_lr
 from .optim._hparams import set_hyperparams as set_hyperparams
@@ -59,6 +61,8 @@ from .optim._lion import LionState as LionState
 from .optim._lion import lion as lion
 from .optim._muon import MuonState as MuonState
 from .optim._muon import muon as muon
+from .optim._nadam import NAdamState as NAdamState
+from .optim._nadam import nadam as nadam
 from .optim._param_groups import grouped as grouped
 from .optim._radam import RAdamState as RAdamState
 from .optim._radam import radam as radam
@@ -66,6 +70,11 @@ from .optim._rmsprop import RMSpropState as RMSpropState
 from .optim._rmsprop import rmsprop as rmsprop
 from .optim._rprop import RpropState as RpropState
 from .optim._rprop import rprop as rprop
+from .optim._schedule_free import ScheduleFreeAdamWState as ScheduleFreeAdamWState
+from .optim._schedule_free import ScheduleFreeSGDState as ScheduleFreeSGDState
+from .optim._schedule_free import schedule_free_adamw as schedule_free_adamw
+from .optim._schedule_free import schedule_free_eval as schedule_free_eval
+from .optim._schedule_free import schedule_free_sgd as schedule_free_sgd
 from .optim._schedules import cosine_decay as cosine_decay
 from .optim._schedules import join_schedules as join_schedules
 from .optim._schedules import linear_schedule as linear_schedule

@@ -30,7 +30,7 @@ from .core._base import GradientTransformation, Params, State
 from .core._combine import ParamGroupsState
 from .core._tree import tree_map
 from .io._state_dict import load, state_dict
-from .optim import _fused
+from .optim import _fused, _schedule_free
 from .optim._hparams import (
     get_hyperparams,
     is_optimizer_state,
@@ -50,7 +50,7 @@ _KNOWN = {
     "beta2_decay", "d", "ns_coefficients", "ns_steps", "adjust_lr_fn", "b1", "b2", "rho",
     "lambd", "t0", "etas", "step_sizes", "momentum_decay", "decoupled_weight_decay",
     "max_iter", "max_eval", "tolerance_grad", "tolerance_change", "history_size",
-    "line_search_fn", "mask", "eps_root",
+    "line_search_fn", "mask", "eps_root", "warmup_steps", "r", "weight_lr_power",
 }  # fmt: skip
 """Hyperparameter names of torch.optim's and funcgrad's optimizers: a group key among
 these that no optimizer in ``tx`` takes is an error (it would be ignored); any other
@@ -121,6 +121,7 @@ class Optimizer(torch.optim.Optimizer):
         self._unnamed = False
         self._frozen: list[tuple[str, Tensor]] = []
         self._module: dict[int, str] = {}
+        self._training = False  # schedule-free optimizers only: opt.train() / opt.eval()
         if isinstance(params, nn.Module):
             self._module = {id(p): n for n, p in params.named_parameters()}
             named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
@@ -248,13 +249,41 @@ class Optimizer(torch.optim.Optimizer):
         before the update (it zeroes the gradients, computes the loss, calls
         ``backward``); its return value is returned. PyTorch Lightning passes one.
         """
+        assert self._core is not None
+        if not self._training and _schedule_free.holds_schedule_free(self._core.state):
+            raise RuntimeError(
+                "fg.Optimizer.step: a schedule-free optimizer is in eval mode (the "
+                "parameters hold the evaluation point). Call opt.train() before training, "
+                "the first step included, and opt.eval() before evaluating or saving, as "
+                "schedulefree's optimizers require."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        assert self._core is not None
         self._core.run(self.param_groups)
         return loss
+
+    # ---- schedule-free modes
+    def train(self) -> None:
+        """Training mode: a schedule-free optimizer's parameters (``fg.schedule_free_adamw``,
+        ``fg.schedule_free_sgd``) move back to the training point, in place, as
+        schedulefree's ``opt.train()``. Call it before training; for other optimizers
+        it changes nothing (Hugging Face ``Trainer`` calls it on every optimizer)."""
+        assert self._core is not None
+        if not self._training:
+            _schedule_free.move(self._core.state, self._core.params(), to_eval=False)
+        self._training = True
+
+    def eval(self) -> None:
+        """Evaluation mode: a schedule-free optimizer's parameters move to the evaluation
+        point (the average), in place, as schedulefree's ``opt.eval()``; call it before
+        evaluating or saving the model, and :meth:`train` to go on training. For other
+        optimizers it changes nothing."""
+        assert self._core is not None
+        if self._training:
+            _schedule_free.move(self._core.state, self._core.params(), to_eval=True)
+        self._training = False
 
     # ---- state
     def state_dict(self) -> dict[str, Any]:
@@ -263,13 +292,18 @@ class Optimizer(torch.optim.Optimizer):
         assert self._core is not None
         self._core.sync(self.param_groups)
         sd = super().state_dict()
-        sd[_KEY] = {"names": self._core.names(), "state": state_dict(self.tx_state)}
+        sd[_KEY] = {
+            "names": self._core.names(),
+            "state": state_dict(self.tx_state),
+            "train_mode": self._training,
+        }
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned, checked in full before anything changes:
         another model's or transformation's state is an error that changes nothing."""
         self._commit(self._prepare(state_dict))
+        self._training = bool(state_dict[_KEY].get("train_mode", self._training))
 
     def _prepare(self, state_dict: Any) -> tuple[Any, ...]:
         """Check ``state_dict`` in full, changing nothing; what :meth:`_commit` adopts."""

@@ -458,6 +458,8 @@ TWINS = {
     fg.adafactor: torch.optim.Adafactor,
     fg.muon: torch.optim.Muon,
     fg.adamax: torch.optim.Adamax,
+    fg.nadam: torch.optim.NAdam,
+    fg.asgd: torch.optim.ASGD,
     fg.radam: torch.optim.RAdam,
     fg.adadelta: torch.optim.Adadelta,
     fg.rprop: torch.optim.Rprop,

@@ -300,3 +300,21 @@ def test_no_test_module_imports_another():
         f"{offenders}: shared models, data and references belong in tests/references.py "
         "(tests/integrations/integration_refs.py for the framework tests)."
     )
+
+
+def test_every_public_function_is_in_the_api_reference():
+    """Each public function and class of funcgrad (not the state NamedTuples, which
+    the optimizer pages describe) is rendered in docs/api/ (mkdocstrings)."""
+    import inspect
+
+    text = "".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
+    public = [n for n in dir(funcgrad) if not n.startswith("_")]
+    missing = [
+        n
+        for n in public
+        if not inspect.ismodule(getattr(funcgrad, n))
+        and not n.endswith("State")
+        and n != "Params"
+        and f"::: funcgrad.{n}\n" not in text
+    ]
+    assert not missing, f"not in docs/api/*.md: {missing}"

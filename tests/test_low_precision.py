@@ -29,6 +29,13 @@ def optimizers() -> dict[str, fg.GradientTransformation]:
         "adafactor": fg.adafactor(lr=1e-2),
         "lion": fg.lion(lr=1e-3, weight_decay=0.1),
         "muon": fg.muon(lr=2e-2),
+        "adamax": fg.adamax(lr=1e-2, weight_decay=0.1),
+        "radam": fg.radam(lr=1e-2, betas=(0.5, 0.7), decoupled_weight_decay=True, weight_decay=0.1),
+        "adadelta": fg.adadelta(lr=0.5, weight_decay=0.1),
+        "rprop": fg.rprop(lr=1e-2),
+        "nadam": fg.nadam(lr=1e-2, weight_decay=0.1),
+        "asgd": fg.asgd(lr=1e-2, t0=0, weight_decay=0.1),
+        "sf_adamw": fg.schedule_free_adamw(lr=1e-2, weight_decay=0.1, warmup_steps=1),
     }
 
 

@@ -1,6 +1,6 @@
 """PyTorch's own optimizer test matrix (``torch.testing._internal.common_optimizers``,
 code nobody here wrote) run through funcgrad: every config torch lists for Adam, AdamW,
-SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam, Adadelta and Rprop, in
+SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam, Adadelta, Rprop, NAdam and ASGD, in
 float64 and float32, three ways:
 
 - ``tx``: the functional transformation built with the config's keywords, ``tx.update``
@@ -42,6 +42,8 @@ TWINS = {
     "RAdam": fg.radam,
     "Adadelta": fg.adadelta,
     "Rprop": fg.rprop,
+    "NAdam": fg.nadam,
+    "ASGD": fg.asgd,
 }
 INFOS = {i.optim_cls.__name__: i for i in common.optim_db if i.optim_cls.__name__ in TWINS}
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
@@ -57,6 +59,7 @@ FLOAT32_IN_TORCH = {
     ("Adam", "differentiable"),
     ("AdamW", "differentiable"),
     ("Muon", "Tensor lr"),
+    ("NAdam", "differentiable"),  # the coefficients from the float32 mu_product tensor
 }
 
 

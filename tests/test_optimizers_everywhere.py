@@ -38,6 +38,13 @@ MAKERS = {
     "radam": lambda: fg.radam(0.01, (0.5, 0.7), 1e-8, 0.1, True),
     "adadelta": lambda: fg.adadelta(lr=0.5, rho=0.8, weight_decay=0.1, maximize=True),
     "rprop": lambda: fg.rprop(0.01, (0.4, 1.3), (1e-4, 0.05), maximize=True),
+    "nadam": lambda: fg.nadam(0.01, (0.8, 0.9), 1e-8, 0.1, 0.004, True),
+    # t0=1: the average moves from the third step
+    "asgd": lambda: fg.asgd(
+        lr=0.05, lambd=0.1, t0=1, weight_decay=0.1, mask=lambda n, p: p.ndim > 1
+    ),
+    "sf_adamw": lambda: fg.schedule_free_adamw(lr=0.01, weight_decay=0.1, warmup_steps=2),
+    "sf_sgd": lambda: fg.schedule_free_sgd(lr=0.05, momentum=0.8, weight_decay=0.1, r=0.5),
 }
 
 
@@ -224,6 +231,9 @@ def test_checkpoint_resumes_bit_for_bit(name, tmp_path):
         ("sgd", "momentum_buffer", float("inf")),
         ("adamax", "exp_inf", -1.0),
         ("adadelta", "acc_delta", -1.0),
+        ("nadam", "exp_avg_sq", -1.0),
+        ("asgd", "ax", float("nan")),
+        ("sf_adamw", "exp_avg_sq", -1.0),
     ],
 )
 def test_checkpoint_with_broken_invariants_is_refused(name, field, bad):
@@ -248,11 +258,17 @@ TORCH_TWINS = {
     "radam": (torch.optim.RAdam, dict(lr=0.01, betas=(0.5, 0.7), weight_decay=0.1)),
     "adadelta": (torch.optim.Adadelta, dict(lr=0.5, rho=0.8, weight_decay=0.1)),
     "rprop": (torch.optim.Rprop, dict(lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-4, 0.05))),
+    "nadam": (
+        torch.optim.NAdam,
+        dict(lr=0.01, betas=(0.8, 0.9), weight_decay=0.1, decoupled_weight_decay=True),
+    ),
+    "asgd": (torch.optim.ASGD, dict(lr=0.05, lambd=0.1, t0=1, weight_decay=0.1)),
 }
 FG_TWINS = {
     "sgd": fg.sgd, "rmsprop": fg.rmsprop, "adagrad": fg.adagrad, "adafactor": fg.adafactor,
     "muon": fg.muon, "adamw": fg.adamw, "adamax": fg.adamax,
-    "radam": fg.radam, "adadelta": fg.adadelta, "rprop": fg.rprop,
+    "radam": fg.radam, "adadelta": fg.adadelta, "rprop": fg.rprop, "nadam": fg.nadam,
+    "asgd": fg.asgd,
 }  # fmt: skip
 
 
@@ -286,7 +302,8 @@ def test_migration_from_and_to_torch_optim(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "name", ["sgd", "rmsprop", "adagrad", "adafactor", "adamax", "radam", "adadelta"]
+    "name",
+    ["sgd", "rmsprop", "adagrad", "adafactor", "adamax", "radam", "adadelta", "nadam", "asgd"],
 )
 def test_half_precision_is_computed_in_float32(name, dtype):
     """Each step from the same state: funcgrad on half-precision parameters against
@@ -430,7 +447,7 @@ def test_muon_under_vmap_and_grad():
 
 
 @pytest.mark.parametrize(
-    "name", ["sgd", "rmsprop", "adagrad", "lion", "adamax", "radam", "adadelta"]
+    "name", ["sgd", "rmsprop", "adagrad", "lion", "adamax", "radam", "adadelta", "nadam", "asgd"]
 )
 def test_eager_donated_step_writing_into_kept_buffers_is_bit_equal(name):
     """Large buffers (>= 32768 entries): the eager donated step writes each result of

@@ -25,8 +25,10 @@ from ..optim._adafactor import AdafactorState
 from ..optim._adagrad import AdagradState
 from ..optim._adam import AdamState
 from ..optim._adamax import AdamaxState
-from ..optim._hparams import slot_fields
+from ..optim._asgd import ASGDState
+from ..optim._hparams import scalar_fields, slot_fields, torch_scalar_dtype
 from ..optim._muon import MuonState
+from ..optim._nadam import NAdamState
 from ..optim._radam import RAdamState
 from ..optim._rmsprop import RMSpropState
 from ..optim._rprop import RpropState
@@ -43,9 +45,11 @@ class _Twin(NamedTuple):
 
 
 def _plain_twin(state: type, cls: type) -> _Twin:
-    """A twin whose state keys are the fields' names, all always in use, with a "step"."""
+    """A twin whose state keys are the fields' names, all always in use, with a "step"
+    (a 0-d field, e.g. NAdam's ``mu_product``, is one value torch keeps per parameter)."""
     fields = slot_fields(state)
-    return _Twin((cls,), {f: f for f in fields}, True, lambda g: set(fields))
+    keys = {f: f for f in (*fields, *scalar_fields(state))}
+    return _Twin((cls,), keys, True, lambda g: set(fields))
 
 
 _TWINS: dict[type, _Twin] = {
@@ -76,6 +80,8 @@ _TWINS: dict[type, _Twin] = {
     RpropState: _plain_twin(RpropState, torch.optim.Rprop),
     RAdamState: _plain_twin(RAdamState, torch.optim.RAdam),
     AdamaxState: _plain_twin(AdamaxState, torch.optim.Adamax),
+    NAdamState: _plain_twin(NAdamState, torch.optim.NAdam),
+    ASGDState: _plain_twin(ASGDState, torch.optim.ASGD),
     AdafactorState: _Twin(
         (torch.optim.Adafactor,),
         {"row_var": "row_var", "col_var": "col_var", "variance": "variance"},
@@ -233,12 +239,25 @@ def state_from_torch(
         new[f] = flat.like(out, start.layout if isinstance(start, flat.Flat) else None)
     n = _count(twin, held, count, who)
     device = node.count.device
-    fresh = type(node)(
-        torch.tensor(n, dtype=torch.int64, device=device),
-        *(new.get(f, {}) for f in slot_fields(type(node))),
-        hyperparams=node.hyperparams,
-    )
+    fresh = node._replace(count=torch.tensor(n, dtype=torch.int64, device=device), **new)
+    for f in scalar_fields(type(node)):
+        fresh = fresh._replace(**{f: _one_value(held, twin.keys[f], getattr(node, f), who)})
     return _replace(template, path, fresh)
+
+
+def _one_value(held: list[dict[str, Any]], key: str, start: Tensor, who: str) -> Tensor:
+    """A value torch keeps per parameter (NAdam's ``mu_product``) that funcgrad keeps
+    once: equal on every parameter, or the error."""
+    values = {float(st[key]) for st in held if key in st}
+    if len(values) > 1:
+        raise ValueError(
+            f"{who}: the optimizer's parameters hold different '{key}' values "
+            f"{sorted(values)}; funcgrad keeps one per transformation. Convert after a step "
+            "that updated every parameter."
+        )
+    if not values:
+        return start
+    return torch.tensor(values.pop(), dtype=start.dtype, device=start.device)
 
 
 def _fit(value: Tensor, start: Tensor, name: str, field: str, who: str) -> Tensor:
@@ -307,11 +326,13 @@ def state_to_torch(
     fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
     # torch's step dtype (torch.optim.optimizer._get_scalar_dtype): float64 only when
     # that is the default dtype.
-    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    step_dtype = torch_scalar_dtype()
     for name, p in _pairs(torch_optimizer, params, who):
         entry: dict[str, Any] = {}
         if twin.step:
             entry["step"] = torch.tensor(float(node.count), dtype=step_dtype)
+        for f in scalar_fields(type(node)):  # torch keeps one per parameter
+            entry[twin.keys[f]] = getattr(node, f).detach().to(step_dtype).clone()
         for f in fields:
             tensors = getattr(node, f)
             if name in tensors:

@@ -329,8 +329,30 @@ def is_optimizer_state(x: object) -> bool:
 
 
 def slot_fields(state_type: type) -> tuple[str, ...]:
-    """An optimizer state's per-tensor fields: those after ``count``, less ``hyperparams``."""
-    return tuple(f for f in state_type._fields[1:] if f != "hyperparams")  # type: ignore[attr-defined]
+    """An optimizer state's per-tensor fields: those after ``count``, less ``hyperparams``
+    and the :func:`scalar_fields`."""
+    fields: tuple[str, ...] = state_type._fields[1:]  # type: ignore[attr-defined]
+    carried = scalar_fields(state_type)
+    return tuple(f for f in fields if f != "hyperparams" and f not in carried)
+
+
+def torch_scalar_dtype() -> torch.dtype:
+    """The dtype ``torch.optim`` keeps its per-parameter scalars in (``step``, NAdam's
+    ``mu_product``, ASGD's ``eta`` and ``mu``; its ``_get_scalar_dtype``): float64 only
+    when that is the default dtype."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def scalar_fields(state_type: type) -> tuple[str, ...]:
+    """An optimizer state's 0-d fields after ``count``: values the optimizer carries
+    from step to step for all its tensors at once (NAdam's ``mu_product``), declared
+    by the annotation ``Tensor`` where a slot field is a ``dict[str, Tensor]``."""
+    notes = getattr(state_type, "__annotations__", {})
+    return tuple(
+        f
+        for f in state_type._fields[1:]  # type: ignore[attr-defined]
+        if getattr(notes.get(f), "__forward_arg__", notes.get(f)) in ("Tensor", Tensor)
+    )
 
 
 def optimizer_states(state: object) -> list[Any]:

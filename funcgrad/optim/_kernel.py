@@ -60,6 +60,7 @@ from ._hparams import (
     compute_dtype,
     mask_resolver,
     next_value,
+    scalar_fields,
     slot_fields,
     start_value,
     value64,
@@ -304,6 +305,10 @@ class Spec(NamedTuple):
     it may run eagerly over lists of tensors (:class:`Lists`). Off where its
     ``e.o`` calls would take a tensor hyperparameter of its own that the
     ``_foreach_*`` overloads do not (Adam keeps such hyperparameters in its closure).
+    ``carry``: the state's 0-d fields (``_hparams.scalar_fields``), each with its
+    starting value from ``(count, hp)`` (``hp`` as ``scalars`` gets it). ``scalars``
+    then finds each one's current value in ``hp`` under the field's name, and returns
+    its next value under that name among the scalars (NAdam's ``mu_product``).
     """
 
     who: str
@@ -317,23 +322,33 @@ class Spec(NamedTuple):
     has_decay: bool = False
     mask: DecayMask = None
     multi_tensor: bool = True
+    carry: Mapping[str, Callable[[Tensor, dict[str, Any]], Tensor]] = {}
 
 
 def build(spec: Spec) -> GradientTransformation:
     """The transformation of ``spec`` (see the module docstring)."""
     spec = spec._replace(hyper=in_state(spec.hyper))
     who, fields = spec.who, slot_fields(spec.state)
+    if set(spec.carry) != set(scalar_fields(spec.state)):
+        raise TypeError(f"{who}: carry {sorted(spec.carry)} is not the state's 0-d fields.")
     decays = mask_resolver(spec.mask, who)
 
     def start(count: Tensor) -> dict[str, Any]:
         return {k: start_value(v, count) for k, v in spec.hyper.items()}
 
+    def make(
+        count: Tensor, slots: Mapping[str, Any], carried: Mapping[str, Tensor], hp: Any
+    ) -> Any:
+        return spec.state(count, **{f: slots.get(f, {}) for f in fields}, **carried, hyperparams=hp)
+
     def init(params: Params) -> Any:
         check_floating(params, f"{who}.init")
         decays(params)  # a mask for other parameters fails here, not at the first step
         count = torch.zeros((), dtype=torch.int64, device=params_device(params))
-        slots = (_start(spec, f, params) for f in fields)
-        return spec.state(count, *slots, hyperparams=start(count))
+        hp = start(count)
+        hp64 = {k: value64(v, count) for k, v in hp.items()}
+        carried = {f: fn(count, hp64) for f, fn in spec.carry.items()}
+        return make(count, {f: _start(spec, f, params) for f in fields}, carried, hp)
 
     def update(grads: Params, state: Any, params: Params | None = None) -> tuple[Params, Any]:
         check_state(state, spec.state, who)
@@ -347,7 +362,9 @@ def build(spec: Spec) -> GradientTransformation:
         count = state.count + 1
         hp = state.hyperparams if state.hyperparams is not None else start(state.count)
         _check_hyper(spec, hp)
-        s64 = spec.scalars(count, {k: value64(v, count) for k, v in hp.items()})
+        hp64 = {k: value64(v, count) for k, v in hp.items()}
+        s64 = spec.scalars(count, {**hp64, **{f: getattr(state, f) for f in spec.carry}})
+        carried = {f: s64.pop(f) for f in spec.carry}
         slots = {f: getattr(state, f) for f in spec.slots}
         layout = flat.layout_of(grads, params, *slots.values())
         per_buffer = (
@@ -383,7 +400,7 @@ def build(spec: Spec) -> GradientTransformation:
                 for f, t in new.items()
             }
         after = {k: next_value(spec.hyper[k], v, count) for k, v in hp.items()}
-        return updates, spec.state(count, *(moved.get(f, {}) for f in fields), hyperparams=after)
+        return updates, make(count, moved, carried, after)
 
     # by_entry: a mask given as a predicate decides from shapes, which a flat chunk's
     # pieces do not keep (fg.sharded then splits by rows)
@@ -425,12 +442,16 @@ def elementwise(
     has_decay: bool,
     mask: DecayMask,
     multi_tensor: bool = True,
+    carry: Mapping[str, Callable[[Tensor, dict[str, Any]], Tensor]] | None = None,
+    reads_params: bool = False,
 ) -> GradientTransformation:
     """The transformation of an elementwise optimizer (SGD, RMSprop, Adagrad, Lion,
-    Adam): a :class:`Spec` whose kernel reads the parameters only for weight decay."""
+    Adam): a :class:`Spec` whose kernel reads the parameters for weight decay, or
+    always with ``reads_params`` (ASGD's average)."""
     spec = Spec(
-        who, state, slots, scalars, kernel, hyper, needs_params=has_decay, elementwise=True,
-        has_decay=has_decay, mask=mask, multi_tensor=multi_tensor,
+        who, state, slots, scalars, kernel, hyper, needs_params=has_decay or reads_params,
+        elementwise=True, has_decay=has_decay, mask=mask, multi_tensor=multi_tensor,
+        carry=carry or {},
     )  # fmt: skip
     return build(spec)
 
