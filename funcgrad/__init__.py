@@ -57,6 +57,8 @@ from .optim._hparams import get_hyperparams as get_hyperparams
 from .optim._hparams import get_lr as get_lr
 from .optim._hparams import set_hyperparams as set_hyperparams
 from .optim._hparams import set_lr as set_lr
+from .optim._lbfgs import LBFGSState as LBFGSState
+from .optim._lbfgs import lbfgs as lbfgs
 from .optim._lion import LionState as LionState
 from .optim._lion import lion as lion
 from .optim._muon import MuonState as MuonState

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .core._base import GradientTransformation, Params, State
 from .core._combine import ParamGroupsState
 from .core._tree import tree_map
+from .core._vector import flat_vector, unflatten
 from .io._state_dict import load, state_dict
 from .optim import _fused, _schedule_free
 from .optim._hparams import (
@@ -37,6 +38,7 @@ from .optim._hparams import (
     is_schedule,
     optimizer_states,
     walk_states,
+    with_optimizer_states,
 )
 from .optim._param_groups import grouped, lr_ratios, optimizers_in
 
@@ -257,6 +259,14 @@ class Optimizer(torch.optim.Optimizer):
                 "the first step included, and opt.eval() before evaluating or saving, as "
                 "schedulefree's optimizers require."
             )
+        if self._core.full.facts.minimize is not None:  # fg.lbfgs
+            if closure is None:
+                raise TypeError(
+                    "fg.Optimizer.step: fg.lbfgs evaluates the loss several times a step: "
+                    "pass a closure that zeroes the gradients, computes the loss, calls "
+                    "backward() and returns the loss, as torch.optim.LBFGS.step(closure)."
+                )
+            return self._core.minimize(self.param_groups, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -451,6 +461,12 @@ class _Core:
         """Build the transformation for the groups as they are, and its state: a fresh
         state for parameters new to it, the rest carried over."""
         groups = self.owner.param_groups
+        if self.tx.facts.minimize is not None and len(groups) != 1:
+            raise ValueError(
+                "fg.Optimizer: fg.lbfgs doesn't support per-parameter options (parameter "
+                "groups), as torch.optim.LBFGS: its iterations work on all parameters as "
+                "one vector. Use one group."
+            )
         full = self.build(groups)
         params = self.params()
         self.dtensors = any(hasattr(p, "placements") for p in params.values())  # FSDP2
@@ -583,6 +599,34 @@ class _Core:
         ]
         torch._foreach_add_(parameters, us)
         self.pull(groups)
+
+    def minimize(self, groups: list[dict[str, Any]], closure: Callable[[], Any]) -> Any:
+        """One step of an optimizer that evaluates the loss itself (``fg.lbfgs``): each
+        evaluation writes the point into the parameters and runs the closure."""
+        self.sync(groups)
+        self._check_frozen()
+        parameters = [p for g in groups for p in g["params"]]
+        names = [n for g in groups for n in g["param_names"]]
+
+        def evaluate(x: Tensor) -> tuple[float, Tensor, Any]:
+            at = unflatten(x, dict(zip(names, parameters, strict=True)))
+            torch._foreach_copy_(parameters, [at[n] for n in names])
+            with torch.enable_grad():
+                loss = closure()
+            grads = _grads(names, parameters)
+            value = float(loss.detach() if isinstance(loss, Tensor) else loss)
+            return value, torch.cat([grads[n].reshape(-1) for n in names]), loss
+
+        (state,) = optimizer_states(self.state)
+        x0 = flat_vector(dict(zip(names, parameters, strict=True)), "fg.Optimizer.step")
+        minimize = self.full.facts.minimize
+        assert minimize is not None
+        x, state, first = minimize(evaluate, x0, state)
+        at = unflatten(x, dict(zip(names, parameters, strict=True)))
+        torch._foreach_copy_(parameters, [at[n] for n in names])
+        self.state = with_optimizer_states(self.state, [state])
+        self.pull(groups)
+        return first
 
     def _check_frozen(self) -> None:
         for name, p in self.owner._frozen:

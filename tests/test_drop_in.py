@@ -460,6 +460,7 @@ TWINS = {
     fg.adamax: torch.optim.Adamax,
     fg.nadam: torch.optim.NAdam,
     fg.asgd: torch.optim.ASGD,
+    fg.lbfgs: torch.optim.LBFGS,
     fg.radam: torch.optim.RAdam,
     fg.adadelta: torch.optim.Adadelta,
     fg.rprop: torch.optim.Rprop,

@@ -1,6 +1,6 @@
 """PyTorch's own optimizer test matrix (``torch.testing._internal.common_optimizers``,
 code nobody here wrote) run through funcgrad: every config torch lists for Adam, AdamW,
-SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam, Adadelta, Rprop, NAdam and ASGD, in
+SGD, RMSprop, Adagrad, Adafactor, Muon, Adamax, RAdam, Adadelta, Rprop, NAdam, ASGD and LBFGS, in
 float64 and float32, three ways:
 
 - ``tx``: the functional transformation built with the config's keywords, ``tx.update``
@@ -44,6 +44,7 @@ TWINS = {
     "Rprop": fg.rprop,
     "NAdam": fg.nadam,
     "ASGD": fg.asgd,
+    "LBFGS": fg.lbfgs,
 }
 INFOS = {i.optim_cls.__name__: i for i in common.optim_db if i.optim_cls.__name__ in TWINS}
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
@@ -87,6 +88,30 @@ def grads_at(params: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tens
     return {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
 
 
+def objective(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """L-BFGS's loss (it evaluates the loss itself): smooth, not quadratic, so the line
+    search has work to do; the same function of the parameters in every run."""
+    total = torch.zeros((), dtype=next(iter(params.values())).dtype)
+    for p in params.values():
+        target = torch.linspace(-1.0, 1.0, p.numel(), dtype=p.dtype).view_as(p)
+        total = total + ((p - target) ** 2).sum() + 0.1 * (p**4).sum()
+    return total
+
+
+def closure_loop(params: dict[str, torch.Tensor], opt: Any, schedulers: list[Any]) -> dict:
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = objective(params)
+        loss.backward()
+        return loss
+
+    for _ in range(STEPS):
+        opt.step(closure)
+        for s in schedulers:
+            s.step(1.0) if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau) else s.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
 def ours(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION}
 
@@ -95,8 +120,11 @@ def run_torch(name, start, kwargs, schedulers=()):
     # plain leaves (no requires_grad): torch's differentiable=True steps in grad mode,
     # where an in-place update of a Parameter is refused
     params = {k: v.clone() for k, v in start.items()}
+    if name == "LBFGS":
+        params = {k: v.requires_grad_() for k, v in params.items()}
     opt = INFOS[name].optim_cls(list(params.values()), **kwargs)
-    return _loop(params, opt, [s(opt) for s in schedulers])
+    loop = closure_loop if name == "LBFGS" else _loop
+    return loop(params, opt, [s(opt) for s in schedulers])
 
 
 def run_optimizer(name, start, kwargs, as_group, schedulers=()):
@@ -106,7 +134,8 @@ def run_optimizer(name, start, kwargs, as_group, schedulers=()):
         opt = fg.Optimizer([{"params": named, **ours(kwargs)}], TWINS[name]())
     else:
         opt = fg.Optimizer(named, TWINS[name](**ours(kwargs)))
-    return _loop(params, opt, [s(opt) for s in schedulers])
+    loop = closure_loop if name == "LBFGS" else _loop
+    return loop(params, opt, [s(opt) for s in schedulers])
 
 
 def _loop(params, opt, schedulers):
@@ -124,6 +153,11 @@ def run_tx(name, start, kwargs):
     tx = TWINS[name](**ours(kwargs))
     params = {k: v.clone() for k, v in start.items()}
     state = tx.init(params)
+    if name == "LBFGS":  # fg.make_step gives it the loss function
+        step = fg.make_step(objective, tx)
+        for _ in range(STEPS):
+            params, state, _ = step(params, state)
+        return params
     for i in range(STEPS):
         updates, state = tx.update(grads_at(params, i), state, params)
         params = fg.apply_updates(params, updates)

@@ -66,6 +66,12 @@ class Facts:
     ghost: tuple[float, str] | None = None
     """Built by ``fg.ghost_clip(max_norm, reduction)``: ``fg.make_step(per_sample=)``
     computes it from per-sample gradient norms (funcgrad/step/_ghost.py)."""
+    minimize: Callable[..., Any] | None = None
+    """An optimizer that evaluates the loss itself (``fg.lbfgs``: its iterations and
+    line search): ``minimize(evaluate, x, state) -> (x, state, first)`` on the flat
+    parameter vector ``x``, where ``evaluate(x) -> (loss, flat_grad, result)``.
+    ``fg.make_step`` and ``fg.Optimizer.step(closure)`` call it instead of ``update``
+    (funcgrad/optim/_lbfgs.py)."""
 
 
 NO_FACTS = Facts()

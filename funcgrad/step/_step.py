@@ -60,6 +60,7 @@ from . import _scalars
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
 from ._ghost import ghost_gradients
+from ._minimize import minimize_step
 from ._model import shadowing, watching_buffers
 from ._per_sample import vmapped_grads
 
@@ -603,6 +604,11 @@ def make_step(
             f"updates buffers in forward is usually train-mode BatchNorm: "
             f"{PER_SAMPLE_BATCHNORM}"
         )
+    if tx.facts.minimize is not None:  # fg.lbfgs: it evaluates the loss itself
+        return minimize_step(
+            loss_fn, tx, has_aux=has_aux, compile=compile, donate=donate,
+            per_sample=per_sample, buffers=buffers,
+        )  # fmt: skip
     scope, options = compile_scope(compile)
     core = _core(loss_fn, tx, has_aux, per_sample, donate, buffers)
     background: _Background | None = None
