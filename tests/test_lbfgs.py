@@ -148,3 +148,24 @@ def test_where_lbfgs_does_not_apply_the_errors_say_so():
         fg.lbfgs().init({"a": torch.zeros(2), "b": torch.zeros(2, dtype=D)})
     with pytest.raises(ValueError, match=re.escape("fg.lbfgs: line_search_fn='wolfe'")):
         fg.lbfgs(line_search_fn="wolfe")
+
+
+def test_migration_from_and_to_torch_lbfgs():
+    """2 steps in torch.optim.LBFGS, 2 in funcgrad (make_step, donated), 2 back in
+    torch: bit for bit the 6 steps of torch alone (the history wraps: history_size=3)."""
+    ref, model = mlp(D), mlp(D)
+    _torch_steps(ref, torch.optim.LBFGS(ref.parameters(), **KW), 6)
+    opt = torch.optim.LBFGS(model.parameters(), **KW)
+    _torch_steps(model, opt, 2)
+    tx = fg.lbfgs(**KW)
+    params = fg.params(model)
+    state = fg.state_from_torch(tx, opt, params)
+    assert int(state.count) == opt.state[next(model.parameters())]["n_iter"]
+    step = fg.make_step(_loss(model), tx, donate=True)
+    for _ in range(2):
+        params, state, _ = step(params, state)
+    back = torch.optim.LBFGS(model.parameters(), **KW)
+    fg.state_to_torch(tx, state, back, dict(model.named_parameters()))
+    _torch_steps(model, back, 2)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)

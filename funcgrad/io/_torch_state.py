@@ -27,12 +27,14 @@ from ..optim._adam import AdamState
 from ..optim._adamax import AdamaxState
 from ..optim._asgd import ASGDState
 from ..optim._hparams import scalar_fields, slot_fields, torch_scalar_dtype
+from ..optim._lbfgs import LBFGSState
 from ..optim._muon import MuonState
 from ..optim._nadam import NAdamState
 from ..optim._radam import RAdamState
 from ..optim._rmsprop import RMSpropState
 from ..optim._rprop import RpropState
 from ..optim._sgd import SGDState
+from ._torch_lbfgs import lbfgs_from_torch, lbfgs_to_torch
 
 
 class _Twin(NamedTuple):
@@ -88,6 +90,7 @@ _TWINS: dict[type, _Twin] = {
         True,
         None,  # which fields are in use depends on the shapes, not on options
     ),
+    LBFGSState: _Twin((torch.optim.LBFGS,), {}, False, None),  # _torch_lbfgs.py
     MuonState: _Twin(
         (torch.optim.Muon,),
         {"momentum_buffer": "momentum_buffer"},
@@ -220,6 +223,9 @@ def state_from_torch(
     path, node = _find(template, who)
     twin = _check_twin(node, torch_optimizer, who)
     pairs = _pairs(torch_optimizer, params, who)
+    if isinstance(node, LBFGSState):
+        names = [n for n, _ in pairs]
+        return _replace(template, path, lbfgs_from_torch(node, torch_optimizer, names, params, who))
     by_name = dict(pairs)
     fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
     mine = set().union(*(getattr(node, f).keys() for f in fields)) if fields else set()
@@ -323,6 +329,10 @@ def state_to_torch(
             f"{type(like).__name__}; pass the state tx made."
         )
     twin = _check_twin(node, torch_optimizer, who)
+    if isinstance(node, LBFGSState):
+        names = [n for n, _ in _pairs(torch_optimizer, params, who)]
+        lbfgs_to_torch(node, torch_optimizer, names, params, who)
+        return
     fields = [f for f in slot_fields(type(node)) if getattr(node, f)]
     # torch's step dtype (torch.optim.optimizer._get_scalar_dtype): float64 only when
     # that is the default dtype.
