@@ -508,3 +508,38 @@ def test_half_precision_lion_and_muon_in_float32(name, dtype):
         for k in want:
             assert params[k].dtype == dtype and state[1][k].dtype == dtype
             torch.testing.assert_close(params[k], want[k].to(dtype), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", [n for n in MAKERS if n != "muon"])
+def test_grad_through_the_update_equals_finite_differences(name):
+    """torch.func.grad through tx.update (from a state two steps in) with respect to the
+    gradients and the parameters: the directional derivative equals a central finite
+    difference (float64). Muon's bfloat16 iteration: test_muon_under_vmap_and_grad."""
+    model = _model_for(name)
+    tx = MAKERS[name]()
+    params = _tensors(fg.params(model))
+    x, y = mlp_data()
+    state = tx.init(params)
+    for _ in range(2):
+        g = torch.func.grad(mse(model))(params, x, y)
+        u, state = tx.update(g, state, params)
+        params = fg.apply_updates(params, u)
+    g = torch.func.grad(mse(model))(params, x, y)
+    gen = torch.Generator().manual_seed(3)
+    w = {k: torch.randn(v.shape, generator=gen, dtype=D) for k, v in params.items()}
+    vg = {k: torch.randn(v.shape, generator=gen, dtype=D) for k, v in params.items()}
+    vp = {k: torch.randn(v.shape, generator=gen, dtype=D) for k, v in params.items()}
+
+    def f(grads, ps):
+        u, _ = tx.update(grads, state, ps)
+        return sum((u[k] * w[k]).sum() for k in u)
+
+    dg, dp = torch.func.grad(f, argnums=(0, 1))(g, params)
+    got = sum((dg[k] * vg[k]).sum() + (dp[k] * vp[k]).sum() for k in g)
+    h = 1e-6
+
+    def at(s):
+        return f({k: g[k] + s * vg[k] for k in g}, {k: params[k] + s * vp[k] for k in g})
+
+    want = (at(h) - at(-h)) / (2 * h)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
