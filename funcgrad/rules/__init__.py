@@ -55,22 +55,29 @@ __all__ = [
 ]
 
 
-def _atol(atol: object, who: str) -> float:
-    a = _rb.number(atol, f"fg.rules.{who}: atol")
+def _atol(atol: object, who: str, name: str = "atol") -> float:
+    a = _rb.number(atol, f"fg.rules.{who}: {name}")
     if a < 0:
-        raise ValueError(f"fg.rules.{who}: atol must be >= 0, got {a}.")
+        raise ValueError(f"fg.rules.{who}: {name} must be >= 0, got {a}.")
     return a
 
 
-def _suffix(atol: float) -> str:
-    return "" if atol == 0.0 else f"atol={atol}"
+def _suffix(atol: float, rtol: float = 0.0) -> str:
+    parts = ([f"atol={atol}"] if atol else []) + ([f"rtol={rtol}"] if rtol else [])
+    return ", ".join(parts)
+
+
+def _and(*parts: str) -> str:
+    return ", ".join(p for p in parts if p)
 
 
 # ----------------------------------------------------------------- conditions
 
 
-def all_zero(atol: float = 0.0) -> Condition:
-    """True where every entry of every gradient in the group is zero (``|g| <= atol``).
+def all_zero(atol: float = 0.0, *, rtol: float = 0.0) -> Condition:
+    """True where every entry of every gradient in the group is zero (``|g| <= atol +
+    rtol * rms``, ``rms`` the group's root-mean-square gradient: see
+    docs/exact-zeros.md for when a relative tolerance is the right one).
 
     ``-0.0`` counts as zero; ``NaN`` does not.
 
@@ -83,6 +90,13 @@ def all_zero(atol: float = 0.0) -> Condition:
         tensor(True)
     """
     a = _atol(atol, "all_zero")
+    r = _atol(rtol, "all_zero", "rtol")
+    if r:
+        return Condition(
+            lambda g: _none_above(g, _rb.zero_bound(g, a, r)),
+            f"all_zero({_suffix(a, r)})",
+            **_BUILTIN,
+        )
     if a == 0.0:
         # t.any() is (t != 0).any() (NaN counts as nonzero) in one pass, without the
         # bool temporary: faster eagerly (docs/compile-notes.md).
@@ -99,8 +113,13 @@ def all_zero(atol: float = 0.0) -> Condition:
     )
 
 
-def any_zero(atol: float = 0.0) -> Condition:
-    """True where at least one entry in the group is zero (``|g| <= atol``).
+def _none_above(g: Group, bound: _rb.Bound) -> Tensor:
+    return ~_rb.any_of([_rb.any_(~_rb.is_zero(t, bound)) for t in g.values()])
+
+
+def any_zero(atol: float = 0.0, *, rtol: float = 0.0) -> Condition:
+    """True where at least one entry in the group is zero (``|g| <= atol + rtol * rms``,
+    as :func:`all_zero`).
 
     Examples:
         >>> import torch
@@ -109,11 +128,13 @@ def any_zero(atol: float = 0.0) -> Condition:
         tensor(True)
     """
     a = _atol(atol, "any_zero")
-    return Condition(
-        lambda g: _rb.any_of([_rb.any_(_rb.is_zero(t, a)) for t in g.values()]),
-        f"any_zero({_suffix(a)})",
-        **_BUILTIN,
-    )
+    r = _atol(rtol, "any_zero", "rtol")
+
+    def cond(g: Group) -> Tensor:
+        bound = _rb.zero_bound(g, a, r)
+        return _rb.any_of([_rb.any_(_rb.is_zero(t, bound)) for t in g.values()])
+
+    return Condition(cond, f"any_zero({_suffix(a, r)})", **_BUILTIN)
 
 
 def any_nonfinite() -> Condition:
@@ -132,8 +153,9 @@ def any_nonfinite() -> Condition:
     )
 
 
-def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
-    """True where the fraction of zeros (``|g| <= atol``) among the group's entries is > ``p``.
+def zero_fraction_above(p: float, atol: float = 0.0, *, rtol: float = 0.0) -> Condition:
+    """True where the fraction of zeros (``|g| <= atol + rtol * rms``, as
+    :func:`all_zero`) among the group's entries is > ``p``.
 
     Examples:
         >>> import torch
@@ -143,6 +165,7 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
     """
     p = _rb.number(p, "fg.rules.zero_fraction_above: p")
     a = _atol(atol, "zero_fraction_above")
+    r = _atol(rtol, "zero_fraction_above", "rtol")
     if not 0.0 <= p < 1.0:
         raise ValueError(
             f"fg.rules.zero_fraction_above: p must be in [0, 1), got {p}. p=0 means 'any "
@@ -152,9 +175,9 @@ def zero_fraction_above(p: float, atol: float = 0.0) -> Condition:
     def cond(g: Group) -> Tensor:
         total = _rb.group_size(g)
         # Integer count against a host float threshold: no rounding of the fraction.
-        return _rb.zero_count(g, a) > p * total
+        return _rb.zero_count(g, _rb.zero_bound(g, a, r)) > p * total
 
-    return Condition(cond, f"zero_fraction_above({p}{', atol=' + str(a) if a else ''})", **_BUILTIN)
+    return Condition(cond, f"zero_fraction_above({_and(str(p), _suffix(a, r))})", **_BUILTIN)
 
 
 def norm_above(x: float) -> Condition:
@@ -202,8 +225,9 @@ def fill(value: float) -> Rule:
     )
 
 
-def replace_zeros(value: float, atol: float = 0.0) -> Rule:
-    """Set every zero entry (``|g| <= atol``; ``-0.0`` too) to ``value``; keep the others.
+def replace_zeros(value: float, atol: float = 0.0, *, rtol: float = 0.0) -> Rule:
+    """Set every zero entry (``|g| <= atol + rtol * rms``, as :func:`all_zero`; ``-0.0``
+    too) to ``value``; keep the others.
 
     Examples:
         >>> import torch
@@ -213,11 +237,13 @@ def replace_zeros(value: float, atol: float = 0.0) -> Rule:
     """
     v = _rb.number(value, "fg.rules.replace_zeros: value")
     a = _atol(atol, "replace_zeros")
-    return Rule(
-        lambda g: {k: torch.where(_rb.is_zero(t, a), v, t) for k, t in g.items()},
-        f"replace_zeros({v}{', atol=' + str(a) if a else ''})",
-        **_BUILTIN,
-    )
+    r = _atol(rtol, "replace_zeros", "rtol")
+
+    def rule(g: Group) -> dict[str, Tensor]:
+        bound = _rb.zero_bound(g, a, r)
+        return {k: torch.where(_rb.is_zero(t, bound), v, t) for k, t in g.items()}
+
+    return Rule(rule, f"replace_zeros({_and(str(v), _suffix(a, r))})", **_BUILTIN)
 
 
 def replace_nonfinite(value: float = 0.0) -> Rule:
@@ -320,11 +346,16 @@ def zero_fix(
     if_zero: float = 0.5,
     *,
     atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> Rule:
     """The seed rule: an all-zero group becomes ``if_all_zero``; else zeros become ``if_zero``.
 
-    Equal to ``when(all_zero(atol), fill(if_all_zero), otherwise=replace_zeros(if_zero,
-    atol))``.
+    Equal to ``when(all_zero(atol, rtol=rtol), fill(if_all_zero),
+    otherwise=replace_zeros(if_zero, atol, rtol=rtol))``: an entry is zero when
+    ``|g| <= atol + rtol * rms`` (``rms``: the group's root-mean-square gradient). The
+    default is exact zeros; on models whose gradients are mathematically zero in places
+    (attention key biases, a bias before BatchNorm), ``rtol=1e-5`` makes the decisions
+    the same in float32 and float64 at any loss scale (docs/exact-zeros.md).
 
     Examples:
         >>> import torch
@@ -338,6 +369,7 @@ def zero_fix(
     a = _rb.number(if_all_zero, "fg.rules.zero_fix: if_all_zero")
     z = _rb.number(if_zero, "fg.rules.zero_fix: if_zero")
     tol = _atol(atol, "zero_fix")
+    rel = _atol(rtol, "zero_fix", "rtol")
 
     def rule(g: Group) -> dict[str, Tensor]:
         # Equal to when(all_zero(), fill(a), otherwise=replace_zeros(z)), in one pass:
@@ -345,7 +377,8 @@ def zero_fix(
         # is all-zero else z)" is the whole rule. No full-size fill is materialized, and
         # each tensor's zero mask serves both the test and the replacement (all_zero's
         # "no entry is not zero" is "every entry is zero"; NaN is neither way a zero).
-        zeros = {k: _rb.is_zero(t, tol) for k, t in g.items()}
+        bound = _rb.zero_bound(g, tol, rel)
+        zeros = {k: _rb.is_zero(t, bound) for k, t in g.items()}
         dead = ~_rb.any_of([~_rb.all_(m) for m in zeros.values()])
         # 0-d, a for a dead group, else z: made in each gradient's dtype from the
         # Python floats (through float32, 0.1 became 0.10000000149 in float64).
@@ -359,5 +392,5 @@ def zero_fix(
             out[k] = torch.where(zeros[k], value[t.dtype], t)
         return out
 
-    extra = f", atol={tol}" if tol else ""
+    extra = f", {_suffix(tol, rel)}" if tol or rel else ""
     return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", **_BUILTIN)

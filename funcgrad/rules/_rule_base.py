@@ -289,12 +289,33 @@ def group_size(group: Group) -> int:
     return sum(ranks.numel(k) for k in group)
 
 
-def is_zero(t: Tensor, atol: float = 0.0) -> Tensor:
-    """``|t| <= atol`` elementwise (exactly ``t == 0`` for ``atol=0``; NaN is not zero)."""
-    return t == 0 if atol == 0.0 else t.abs() <= atol
+Bound = float | Tensor
+"""What counts as zero: ``|g| <= bound``, a float (``atol``) or a 0-d tensor per group
+(``atol + rtol * rms``: :func:`zero_bound`)."""
 
 
-def zero_count(group: Group, atol: float = 0.0) -> Tensor:
+def zero_bound(group: Group, atol: float, rtol: float) -> Bound:
+    """The zero tests' bound for ``group``: ``atol``, plus ``rtol`` times the group's
+    root-mean-square gradient where ``rtol > 0`` (scale-aware: the same entries count
+    as zero whatever the loss's scale, in float32 as in float64; docs/exact-zeros.md).
+    A group whose RMS is not finite (an Inf or NaN entry) gets ``atol`` alone, so an
+    overflow never turns its finite entries into "zeros". Sharded: the whole group's
+    RMS (the squares summed over the ranks)."""
+    if rtol == 0.0:
+        return atol
+    rms = group_norm(group) / math.sqrt(max(group_size(group), 1))
+    return torch.where(torch.isfinite(rms), atol + rtol * rms, atol)
+
+
+def is_zero(t: Tensor, atol: Bound = 0.0) -> Tensor:
+    """``|t| <= atol`` elementwise (exactly ``t == 0`` for ``atol=0``; NaN is not zero);
+    ``atol`` a float or a group's :func:`zero_bound`."""
+    if isinstance(atol, float) and atol == 0.0:
+        return t == 0
+    return t.abs() <= atol
+
+
+def zero_count(group: Group, atol: Bound = 0.0) -> Tensor:
     """The number of zeros (``|g| <= atol``) among all entries of the group (0-d int64).
 
     Sharded: summed over the ranks."""

@@ -89,7 +89,7 @@ def make_tx(m: nn.Module, amsgrad: bool = False) -> fg.GradientTransformation:
     return fg.named_chain(
         ("before", fg.monitor(groups, stats)),  # the raw global gradient
         ("nested", fg.per_group(nested_rule, groups.select("fc1"))),
-        ("rules", fg.per_group(fg.rules.zero_fix(), groups.select("fc3"))),
+        ("rules", fg.per_group(fg.rules.zero_fix(rtol=1e-5), groups.select("fc3"))),
         ("custom", fg.per_group(custom_rule, groups.select("fc2"))),
         ("after", fg.monitor(groups, ("norm",))),  # what the rules made of it
         (
