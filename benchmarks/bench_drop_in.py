@@ -25,8 +25,13 @@ Timed round-robin (all arms of a workload interleaved, so drift hits all alike),
 median of repeats, one thread by default (``--threads``). The ratios are to
 torch-fused in the same run; absolute times are printed for context only.
 
+``--optimizers``: instead, every elementwise optimizer's update alone (``opt.step()``
+on gradients computed once) on the MLP and the 40-layer model: fg.Optimizer against
+its torch.optim twin with ``foreach=True`` and, where torch has one, ``fused=True``
+(ratios to torch-foreach).
+
 Run: python benchmarks/bench_drop_in.py [--quick] [--threads N] [--no-compile]
-     [--device cuda] [--out DIR]
+     [--device cuda] [--out DIR] [--optimizers]
 """
 
 from __future__ import annotations
@@ -168,6 +173,55 @@ def _update_alone(m: nn.Module, opt: torch.optim.Optimizer, rule: bool) -> Calla
     return step
 
 
+# name -> (torch class, keywords for both, fg factory, torch has a fused kernel)
+OPTIMIZERS: dict[str, tuple[Any, dict[str, Any], Any, bool]] = {
+    "SGD": (torch.optim.SGD, dict(lr=LR, momentum=0.9, weight_decay=WD), fg.sgd, True),
+    "Adam": (torch.optim.Adam, dict(lr=LR), fg.adam, True),
+    "AdamW": (torch.optim.AdamW, dict(lr=LR, weight_decay=WD), fg.adamw, True),
+    "Adagrad": (torch.optim.Adagrad, dict(lr=LR), fg.adagrad, True),
+    "RMSprop": (torch.optim.RMSprop, dict(lr=LR, momentum=0.9), fg.rmsprop, False),
+    "Adamax": (torch.optim.Adamax, dict(lr=LR), fg.adamax, False),
+    "NAdam": (torch.optim.NAdam, dict(lr=LR), fg.nadam, False),
+    "RAdam": (torch.optim.RAdam, dict(lr=LR), fg.radam, False),
+    "Adadelta": (torch.optim.Adadelta, dict(lr=LR), fg.adadelta, False),
+    "Rprop": (torch.optim.Rprop, dict(lr=LR), fg.rprop, False),
+    "ASGD": (torch.optim.ASGD, dict(lr=LR), fg.asgd, False),
+}
+
+
+def optimizer_table(quick: bool, sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Each optimizer's update alone: fg.Optimizer / torch foreach (/ torch fused)."""
+    out: dict[str, dict[str, float]] = {}
+    for wname, (make, width, out_width, batch) in list(workloads(quick).items())[:2]:
+        gen = torch.Generator().manual_seed(1)
+        x, y = (
+            torch.randn(batch, width, generator=gen),
+            torch.randn(batch, out_width, generator=gen),
+        )
+        torch.manual_seed(0)
+        base = make()
+        print(f"\n{wname}: update alone, ratio to torch foreach")
+        print(f"  {'optimizer':<10} {'foreach ms':>10} {'fg':>6} {'fused':>6}")
+        for name, (cls, kw, factory, fused) in OPTIMIZERS.items():
+            fns: dict[str, Callable[[], object]] = {}
+            makers = {
+                "foreach": lambda m, c=cls, k=kw: c(m.parameters(), foreach=True, **k),
+                "fg": lambda m, f=factory, k=kw: fg.Optimizer(m, f(**k)),
+            }
+            if fused:
+                makers["fused"] = lambda m, c=cls, k=kw: c(m.parameters(), fused=True, **k)
+            for arm, opt_of in makers.items():
+                m = copy.deepcopy(base)
+                nn.functional.mse_loss(m(x), y).backward()
+                fns[arm] = _update_alone(m, opt_of(m), False)
+            t = interleaved(fns, 3 if quick else 9, 2 if quick else 10, warmup=3, sync=sync)
+            ratio = {k: v / t["foreach"] for k, v in t.items()}
+            out[f"{wname} {name}"] = {**t}
+            fu = f"{ratio['fused']:6.2f}" if "fused" in ratio else f"{'-':>6}"
+            print(f"  {name:<10} {t['foreach'] * 1e3:10.3f} {ratio['fg']:6.2f} {fu}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
@@ -175,10 +229,18 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled arms")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--optimizers", action="store_true", help="every optimizer, update alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.optimizers:
+        print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
+        table = optimizer_table(args.quick, sync)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_drop_in_optimizers.json").write_text(json.dumps(table, indent=1))
+        return
     results: dict[str, dict[str, dict[str, float]]] = {}
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
     for name, (make, width, out_width, batch) in workloads(args.quick).items():

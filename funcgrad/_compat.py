@@ -204,3 +204,8 @@ def fused_adam(*args: Any, decoupled: bool, **kwargs: Any) -> None:
 def fused_sgd(*args: Any, **kwargs: Any) -> None:
     """``torch._fused_sgd_``."""
     torch._fused_sgd_(*args, **kwargs)
+
+
+def fused_adagrad(*args: Any, **kwargs: Any) -> None:
+    """``torch._fused_adagrad_``."""
+    torch._fused_adagrad_(*args, **kwargs)

@@ -1,5 +1,5 @@
 """fg.Optimizer's eager step on torch's fused kernels (funcgrad/optim/_fused.py, issue
-"The drop-in at fused speed"): Adam, AdamW and SGD, alone or after rules, per param
+"The drop-in at fused speed"): Adam, AdamW, SGD and Adagrad, alone or after rules, per param
 group, equal bit for bit to torch.optim's ``fused=True`` run with the same groups (the
 same kernels), in every floating dtype; every other case takes the general path, which
 the drop-in tests hold against torch.optim's default."""
@@ -107,6 +107,13 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Any, dict[str, Any]]]
         {"nesterov": True, "dampening": 0.0, "momentum": 0.5},
     ),
     "sgd-plain": (torch.optim.SGD, {"lr": 1e-2, "maximize": True}, fg.sgd, {"lr": 0.1}),
+    "adagrad": (
+        torch.optim.Adagrad,
+        {"lr": 1e-1, "lr_decay": 0.01, "weight_decay": 0.1, "initial_accumulator_value": 0.2},
+        fg.adagrad,
+        {"lr": 0.05, "eps": 1e-3, "weight_decay": 0.0},
+    ),
+    "adagrad-maximize": (torch.optim.Adagrad, {"lr": 1e-1, "maximize": True}, fg.adagrad, {}),
 }
 
 

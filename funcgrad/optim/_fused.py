@@ -1,9 +1,9 @@
 """``fg.Optimizer``'s eager step on torch's fused kernels.
 
-An eager ``fg.Optimizer.step`` whose transformation is Adam, AdamW or SGD (one per
-param group, as ``fg.grouped`` splits it), alone or at the end of a ``fg.chain``
-of rules, updates the parameters and the optimizer's state in place with
-``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``: the kernels of
+An eager ``fg.Optimizer.step`` whose transformation is Adam, AdamW, SGD or Adagrad
+(one per param group, as ``fg.grouped`` splits it), alone or at the end of a
+``fg.chain`` of rules, updates the parameters and the optimizer's state in place with
+``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_`` / ``_fused_adagrad_``: the kernels of
 ``torch.optim.Adam(fused=True)`` and its siblings, one pass over each parameter,
 gradient and moment, no temporaries. The rules in front run as they always do
 (functionally, on the gradients). The values are those of torch's fused optimizer
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import compiling, fused_adam, fused_sgd
+from .._compat import compiling, fused_adagrad, fused_adam, fused_sgd
 from ..core._base import GradientTransformation, State
 from ..core._combine import ChainState, ParamGroupsState
 from ._hparams import is_optimizer_state, mask_resolver, next_value, value64
@@ -79,13 +79,16 @@ def plan(full: GradientTransformation, state: State, names: Sequence[Sequence[st
     groups = []
     for tx, group_names in zip(txs, names, strict=True):
         info = tx.facts.optimizer
-        if info is None or info.who not in ("fg.adam", "fg.adamw", "fg.sgd") or not info.kwargs:
+        if info is None or info.who not in _KERNELS or not info.kwargs:
             return None
         if info.kwargs.get("eps_root", 0.0):
             return None
         decays = mask_resolver(info.kwargs.get("mask"), info.who)
         groups.append(_Group(tx, tuple(group_names), decays))
     return Plan(chained is not None, prefix, tuple(groups), grouped)
+
+
+_KERNELS = ("fg.adam", "fg.adamw", "fg.sgd", "fg.adagrad")
 
 
 def _chained(state: State) -> list[State] | None:
@@ -148,6 +151,8 @@ def _fits(t: Any, p: Tensor) -> bool:
 def _slots(who: str, kwargs: Mapping[str, Any], s: Any) -> list[str]:
     if who == "fg.sgd":
         return ["momentum_buffer"] if "momentum" in s.hyperparams else []
+    if who == "fg.adagrad":
+        return ["sum"]
     return ["mu", "nu", "nu_max"] if kwargs.get("amsgrad") else ["mu", "nu"]
 
 
@@ -232,6 +237,12 @@ def _step(
             continue
         if device not in steps:
             steps[device] = count.to(device=device, dtype=torch.float32)
+        if info.who == "fg.adagrad":
+            fused_adagrad(
+                ps, gs, ss[0], [steps[device]] * len(ps), lr=v["lr"], lr_decay=v["lr_decay"],
+                weight_decay=w, eps=v["eps"], maximize=bool(kwargs.get("maximize")),
+            )  # fmt: skip
+            continue
         decoupled = info.who == "fg.adamw" or bool(kwargs.get("decoupled_weight_decay"))
         b1, b2 = v["betas"]
         fused_adam(
