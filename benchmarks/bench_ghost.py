@@ -10,7 +10,10 @@ alone, each in a fresh subprocess (CPU: no allocator statistics; Linux's VmHWM).
 Targets (issue "ghost_clip"): ghost <= 0.5x vmap and <= 2x plain on the MLP; <= 2x plain
 on the GPT and the CNN; peak memory <= 1.5x the plain step's.
 
-Run: python benchmarks/bench_ghost.py [--quick]
+Hugging Face GPT-2 and BERT (``--models hf-gpt2,hf-bert``; needs transformers): the
+same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16), random weights.
+
+Run: python benchmarks/bench_ghost.py [--quick] [--models mlp,gpt,cnn,hf-gpt2,hf-bert]
 """
 
 from __future__ import annotations
@@ -44,6 +47,31 @@ def build(name: str):
             return nn.functional.cross_entropy(fg.call(model, p, x), y)
 
         return model, loss, batch
+    if name in ("hf-gpt2", "hf-bert"):  # Hugging Face's own code, random weights
+        import transformers as tf
+
+        if name == "hf-gpt2":
+            model = tf.GPT2LMHeadModel(
+                tf.GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=2, n_head=4,
+                              attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                              bos_token_id=0, eos_token_id=0)
+            ).eval()  # fmt: skip
+        else:
+            model = tf.BertForSequenceClassification(
+                tf.BertConfig(vocab_size=65, hidden_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=512,
+                              max_position_embeddings=64, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0, num_labels=10)
+            ).eval()  # fmt: skip
+        idx = torch.randint(0, 65, (16, 65))
+
+        def hf_loss(p, x, y):
+            out = fg.call(model, p, input_ids=x).logits
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+        if name == "hf-bert":  # a label per sequence
+            return model, hf_loss, (idx[:, :-1], torch.randint(0, 10, (16,)))
+        return model, hf_loss, (idx[:, :-1], idx[:, 1:])
     if name == "gpt":
         from char_gpt import CharGPT
 
@@ -106,7 +134,7 @@ def peak_mb(name: str, variant: str, steps: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--models", default="mlp,gpt,cnn")
+    ap.add_argument("--models", default="mlp,gpt,cnn", help="also hf-gpt2, hf-bert")
     args = ap.parse_args()
     repeats, number = (3, 2) if args.quick else (7, 3)
     results = {}

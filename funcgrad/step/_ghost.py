@@ -367,9 +367,12 @@ class _Layer:
 class _Matmul(_Layer):
     """``out = a @ W^T + bias`` over positions: Linear, and convolutions unfolded."""
 
-    def __init__(self, call: _Call, n: int, a: Tensor, b: Tensor, shape: torch.Size) -> None:
+    def __init__(
+        self, call: _Call, n: int, a: Tensor, b: Tensor, shape: torch.Size, t: bool = False
+    ) -> None:
         super().__init__(call, n)
         self.a, self.b, self.shape = a, b, shape  # a [B, T, in], b [B, T, out]
+        self.t = t  # the weight is stored [in, out] (Hugging Face's Conv1D: a @ W + bias)
         self.g: Tensor | None = None  # the per-sample weight gradients, once formed
 
     def _w(self) -> str | None:
@@ -379,8 +382,9 @@ class _Matmul(_Layer):
         return self.call.names.get("bias")
 
     def _per_sample_weight(self) -> Tensor:
-        if self.g is None:
-            self.g = torch.bmm(self.b.transpose(1, 2), self.a)  # [B, out, in]
+        if self.g is None:  # [B, out, in], or [B, in, out] for a weight stored that way
+            a, b = self.a, self.b
+            self.g = torch.bmm(a.transpose(1, 2), b) if self.t else torch.bmm(b.transpose(1, 2), a)
         return self.g
 
     def norms2(self) -> dict[str, Tensor]:
@@ -407,7 +411,8 @@ class _Matmul(_Layer):
                 g = torch.tensordot(w, self.g, dims=1)
             else:
                 bw = (self.b * w[:, None, None]).reshape(-1, self.b.shape[2])
-                g = bw.t() @ self.a.reshape(-1, self.a.shape[2])
+                a = self.a.reshape(-1, self.a.shape[2])
+                g = a.t() @ bw if self.t else bw.t() @ a
             out[k] = g.reshape(self.shape)
         if (k := self._bias()) is not None:
             out[k] = torch.tensordot(w, self.b.sum(1), dims=1)
@@ -593,9 +598,9 @@ def _layer(call: _Call, n: int) -> _Layer:
     b = call.grads[0]
     if call.shared:  # what each sample saw: the same input
         x = x.expand(n, *x.shape)
-    if type(m) is nn.Linear:
+    if type(m) is nn.Linear or _hf_conv1d(m):
         return _Matmul(call, n, x.reshape(n, -1, x.shape[-1]), b.reshape(n, -1, b.shape[-1]),
-                       m.weight.shape)  # fmt: skip
+                       m.weight.shape, t=type(m) is not nn.Linear)  # fmt: skip
     if (
         isinstance(m, (nn.Conv1d, nn.Conv2d))
         and type(m) in (nn.Conv1d, nn.Conv2d)
@@ -631,6 +636,23 @@ def _layer(call: _Call, n: int) -> _Layer:
         xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
         return _Affine(call, n, xhat, b, tuple(range(2, x.dim())))
     return _Vmapped(call, n)
+
+
+def _hf_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): ``addmm(bias, x, weight)`` with the
+    weight stored ``[in, out]``, a Linear with the weight transposed. Known by its class
+    (transformers is not imported for it) and checked by its shapes."""
+    cls = type(m)
+    w, bias = m._parameters.get("weight"), m._parameters.get("bias")
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__ == "transformers.pytorch_utils"
+        and w is not None
+        and bias is not None
+        and w.dim() == 2
+        and tuple(w.shape) == (getattr(m, "nx", None), getattr(m, "nf", None))
+        and tuple(bias.shape) == (w.shape[1],)
+    )
 
 
 def _unfoldable(m: nn.Conv1d | nn.Conv2d) -> bool:

@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 
 import funcgrad as fg
+from funcgrad.step import _ghost
 from funcgrad.step._ghost import ghost_gradients
 
 C = 0.5
@@ -68,7 +69,13 @@ def data():
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_ghost_clip_equals_the_vmap_path(kind):
+def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
+    """Equal to the vmap path; every module on a native rule (GPT-2's Conv1D
+    projections as transposed Linears) but Llama's own RMSNorm, which falls back to a
+    vmap over that module alone (a small one)."""
+    taken = []
+    real = _ghost._layer
+    monkeypatch.setattr(_ghost, "_layer", lambda call, n: taken.append(real(call, n)) or taken[-1])
     m = model(kind)
     loss = loss_of(kind, m)
     params = {k: v.detach() for k, v in m.named_parameters()}
@@ -80,6 +87,10 @@ def test_ghost_clip_equals_the_vmap_path(kind):
     for k in params:  # sgd(lr=1): new = p - grads
         torch.testing.assert_close(p[k] - new[k], ghost[k], rtol=1e-10, atol=1e-12, msg=k)
     assert any(g.abs().max() > 0 for g in ghost.values())
+    fallbacks = [
+        type(layer.call.module).__name__ for layer in taken if isinstance(layer, _ghost._Vmapped)
+    ]
+    assert taken and set(fallbacks) == ({"LlamaRMSNorm"} if kind == "llama" else set())
 
 
 def test_t5_relative_bias_is_refused_naming_the_module():
@@ -94,3 +105,26 @@ def test_t5_relative_bias_is_refused_naming_the_module():
         ),
     ):
         ghost_gradients(loss_of("t5", m), False, C, "mean")(params, ids, y)
+
+
+def test_compiled_ghost_step_on_gpt2_is_one_graph_equal_to_eager():
+    """fg.make_step(per_sample=fg.ghost_clip, compile=True) on GPT-2 (inductor): one
+    graph, no recompile on a second call, equal to the eager ghost step."""
+    from torch._dynamo.utils import counters
+
+    m = model("gpt2")
+    loss = loss_of("gpt2", m)
+    ids, y = data()
+    tx = fg.sgd(lr=1.0)
+    start = {k: v.detach().clone() for k, v in fg.params(m).items()}
+    eager = fg.make_step(loss, tx, per_sample=fg.ghost_clip(C))
+    compiled = fg.make_step(loss, tx, per_sample=fg.ghost_clip(C), compile=True)
+    want, _, want_loss = eager(dict(start), tx.init(start), ids, y)
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        got, _, got_loss = compiled(dict(start), tx.init(start), ids, y)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=1e-14)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
