@@ -599,8 +599,10 @@ def _layer(call: _Call, n: int) -> _Layer:
     if call.shared:  # what each sample saw: the same input
         x = x.expand(n, *x.shape)
     if type(m) is nn.Linear or _hf_conv1d(m):
+        weight = m._parameters["weight"]
+        assert weight is not None
         return _Matmul(call, n, x.reshape(n, -1, x.shape[-1]), b.reshape(n, -1, b.shape[-1]),
-                       m.weight.shape, t=type(m) is not nn.Linear)  # fmt: skip
+                       weight.shape, t=type(m) is not nn.Linear)  # fmt: skip
     if (
         isinstance(m, (nn.Conv1d, nn.Conv2d))
         and type(m) in (nn.Conv1d, nn.Conv2d)
