@@ -169,3 +169,17 @@ def test_migration_from_and_to_torch_lbfgs():
     _torch_steps(model, back, 2)
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_maximize_is_minimizing_the_negative():
+    """maximize=True (torch 2.14's keyword; its optim_db rows run on 2.14) on -f steps
+    exactly as the default on f, and returns -f's first loss."""
+    model = mlp(D)
+    f = _loss(model)
+    start = {k: v.detach().clone() for k, v in fg.params(model).items()}
+    up = fg.lbfgs(**KW, maximize=True)
+    a, _, la = fg.make_step(lambda p: -f(p), up)(dict(start), up.init(start))
+    b, _, lb = fg.make_step(f, fg.lbfgs(**KW))(dict(start), fg.lbfgs(**KW).init(start))
+    assert torch.equal(la, -lb)
+    for k in a:
+        assert torch.equal(a[k], b[k])

@@ -98,10 +98,18 @@ def objective(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def signed(maximize: bool) -> Any:
+    """The objective to run: its negative where the config maximizes (torch 2.14's
+    LBFGS ``maximize``), which is bounded above as the objective is bounded below."""
+    return (lambda p: -objective(p)) if maximize else objective
+
+
 def closure_loop(params: dict[str, torch.Tensor], opt: Any, schedulers: list[Any]) -> dict:
+    f = signed(bool(opt.param_groups[0].get("maximize", False)))
+
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = objective(params)
+        loss = f(params)
         loss.backward()
         return loss
 
@@ -154,7 +162,7 @@ def run_tx(name, start, kwargs):
     params = {k: v.clone() for k, v in start.items()}
     state = tx.init(params)
     if name == "LBFGS":  # fg.make_step gives it the loss function
-        step = fg.make_step(objective, tx)
+        step = fg.make_step(signed(bool(kwargs.get("maximize", False))), tx)
         for _ in range(STEPS):
             params, state, _ = step(params, state)
         return params

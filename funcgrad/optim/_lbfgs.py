@@ -24,6 +24,7 @@ from ..core._vector import flat_vector
 from ._hparams import (
     LearningRate,
     OptimizerInfo,
+    check_bool,
     check_hyperparameters,
     check_lr,
     check_number,
@@ -98,6 +99,8 @@ def lbfgs(
     tolerance_change: float = 1e-9,
     history_size: int = 100,
     line_search_fn: str | None = None,
+    *,
+    maximize: bool = False,
 ) -> GradientTransformation:
     r"""L-BFGS, equal step for step to ``torch.optim.LBFGS`` with the same arguments
     (``line_search_fn="strong_wolfe"`` included).
@@ -126,6 +129,7 @@ def lbfgs(
     history in ``2 * history_size`` vectors of its size from the start (torch's grows
     to that). ``lr``, ``tolerance_grad`` and ``tolerance_change`` are held in the
     state (``fg.set_hyperparams``); the others are the transformation's.
+    ``maximize`` (torch 2.14's keyword): maximize the loss (minimize its negative).
 
     Examples:
         >>> import torch, funcgrad as fg
@@ -142,8 +146,9 @@ def lbfgs(
     # shows the number, which a later max_iter written into the group leaves as it is
     evals = max_iter * 5 // 4 if max_eval is None else _count_arg(max_eval, "max_eval", 1)
     return _lbfgs(
-        lr, max_iter, evals, tolerance_grad, tolerance_change, history_size, line_search_fn
-    )
+        lr, max_iter, evals, tolerance_grad, tolerance_change, history_size, line_search_fn,
+        maximize=maximize,
+    )  # fmt: skip
 
 
 @optimizer
@@ -155,8 +160,11 @@ def _lbfgs(
     tolerance_change: float,
     history_size: int,
     line_search_fn: str | None,
+    *,
+    maximize: bool = False,
 ) -> GradientTransformation:
     """:func:`lbfgs` with ``max_eval`` filled in (what its param groups hold)."""
+    check_bool(maximize, "maximize", "fg.lbfgs")
     lr = scalar(lr)
     if is_schedule(lr):
         raise TypeError(
@@ -217,6 +225,13 @@ def _lbfgs(
                 f"{x.numel()} parameter entries and history_size={history_size}; build it "
                 "with tx.init(params) for these parameters."
             )
+        if maximize:  # torch 2.14's: minimize -f, the loss and the gradient negated
+
+            def negated(x: Tensor, inner: Evaluate = evaluate) -> tuple[float, Tensor, Any]:
+                loss, g, result = inner(x)
+                return -loss, g.neg(), result
+
+            evaluate = negated
         return _minimize(evaluate, x, state, max_iter, evals, line_search_fn is not None)
 
     tx = GradientTransformation(init, update)
