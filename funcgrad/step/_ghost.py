@@ -6,8 +6,8 @@ norm ``C`` and averages, as ``per_sample=fg.clip_by_global_norm(C)`` does under
 2021; book-keeping, Bu et al. 2023):
 
 1. a forward in which every module that owns trained parameters has a zero tensor
-   ``z`` added to its output (a global forward hook, inert outside this pass), and
-   records its inputs;
+   ``z`` added to its output (a global forward hook, in torch's table only while a
+   ghost step runs: :func:`hooked`), and records its inputs;
 2. one ``torch.func.grad`` with respect to the ``z``'s: each module's output gradient
    ``b``, sample by sample (the batch's loss is the mean or sum of the samples'), and
    never the parameters' gradients;
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
+from .. import _compat
 from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import LossFn, Params, clip_factor
 from ._errors import PER_SAMPLE_BATCHNORM
@@ -70,8 +71,6 @@ class _Tap(threading.local):
 
 
 _TAP = _Tap()
-_HOOK: Any = None
-_HOOK_LOCK = threading.Lock()
 
 
 class _Call:
@@ -92,12 +91,41 @@ class _Call:
         self.spec: Any = None
 
 
-def install() -> None:
-    """Register the global forward hook once (it does nothing outside a ghost pass)."""
-    global _HOOK
-    with _HOOK_LOCK:
-        if _HOOK is None:
-            _HOOK = nn.modules.module.register_module_forward_hook(_hook, with_kwargs=True)
+class _Installed:
+    """The global forward hook :func:`_hook`, in torch's table only while some thread
+    runs a ghost step (a count of the steps in progress, under a lock), under the same
+    key every time (``_compat.GlobalForwardHook``: dynamo guards on the table)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.hook: _compat.GlobalForwardHook | None = None
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.hook is None:
+                self.hook = _compat.GlobalForwardHook(_hook)
+            if self.count == 0:
+                self.hook.add()
+            self.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0 and self.hook is not None:
+                self.hook.remove()
+
+
+_INSTALLED = _Installed()
+
+
+def hooked() -> _Installed:
+    """The context in which ghost steps run: the tap's global forward hook is in
+    torch's table from the first entry (in any thread) to the last exit. ``fg.make_step``
+    enters it around each call of a ghost step and around its background build, where
+    the compiled step is traced; a ghost gradient function called eagerly enters it
+    itself."""
+    return _INSTALLED
 
 
 def _trained(module: nn.Module) -> dict[str, str]:
@@ -667,11 +695,16 @@ def ghost_gradients(
     """``fn(params, *batch) -> (grads, loss, None, aux)``: the mean over the batch of
     each sample's gradient clipped to ``max_norm`` (see the module docstring); ``loss``
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
-    install()
     cache: dict[Any, Plan] = {}
     told: set[str] = set()  # the fallbacks already reported by this step
 
     def fn(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+        if compiling():  # traced: the step's caller put the hook in (hooked())
+            return ghostly(params, *batch)
+        with _INSTALLED:
+            return ghostly(params, *batch)
+
+    def ghostly(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
         shapes = _probe(loss_fn, params, batch, n, cache)
         if not shapes:

@@ -59,7 +59,7 @@ from ..core._tree import commit, copy_into, sigint_held, tree_map
 from . import _scalars
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
-from ._ghost import ghost_gradients
+from ._ghost import ghost_gradients, hooked
 from ._minimize import minimize_step
 from ._model import shadowing, watching_buffers
 from ._per_sample import vmapped_grads
@@ -201,6 +201,9 @@ class _Core(NamedTuple):
     donate: bool
     buffers: bool
     per_sample: bool
+    # Around every call of the step and its background build: fg.ghost_clip's hook in
+    # torch's table for the call (_ghost.hooked), else nothing.
+    scope: Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 def _core(
@@ -243,7 +246,9 @@ def _core(
         new, _, rest = compute(gradients, params, state, *args)
         return new + rest
 
-    return _Core(gradients, compute, pure_step, donate, buffers, per_sample is not None)
+    ghost = isinstance(per_sample, GradientTransformation) and per_sample.facts.ghost is not None
+    scope = hooked if ghost else contextlib.nullcontext
+    return _Core(gradients, compute, pure_step, donate, buffers, per_sample is not None, scope)
 
 
 def _given(core: _Core, params: Params, state: State, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -339,10 +344,8 @@ class _Background:
 
         def build() -> None:
             try:
-                if self.ranks > 1:
-                    self.compiled = self._without_running(copies)
-                else:
-                    self.compiled(True, copies[0], copies[1], *copies[2])
+                with self.core.scope():
+                    self._build(copies)
             except BaseException as err:  # reported on the calling thread, once
                 self.error = err
             else:
@@ -350,6 +353,12 @@ class _Background:
 
         self.thread = threading.Thread(target=build, name="funcgrad-compile", daemon=True)
         self.thread.start()
+
+    def _build(self, copies: tuple[Any, Any, tuple[Any, ...]]) -> None:
+        if self.ranks > 1:
+            self.compiled = self._without_running(copies)
+        else:
+            self.compiled(True, copies[0], copies[1], *copies[2])
 
     def _without_running(self, copies: tuple[Any, Any, tuple[Any, ...]]) -> Run:
         """The compiled step, built without running it; arguments that do not fit it
@@ -628,6 +637,10 @@ def make_step(
     pure_buffers = buffers and not donate and scope in ("step", "gradients", "async")
 
     def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        with core.scope():
+            return call(params, state, *args)
+
+    def call(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if isinstance(params, Flat):
             params.check_attached("fg.make_step")
         if transform_active():
