@@ -97,6 +97,21 @@ def import_distributed_nn_early() -> None:
         import torch.distributed.nn.functional  # noqa: F401
 
 
+# -- optree's global namespace -----------------------------------------------------------
+# optree registers a custom node only in a named namespace (a public rule: a library's
+# registrations must not change another's flattening). A user's optree.tree_map(f,
+# params) without a namespace then sees an fg.Flat as one leaf, where torch's pytree
+# and funcgrad's own namespace see its per-name views. optree's global namespace is a
+# private sentinel (registry.__GLOBAL_NAMESPACE). Checked with optree 0.20 (the version
+# pip installs here with torch 2.13 and 2.14).
+# Replacement: none; without the sentinel (a later optree) Flat is a leaf there.
+def optree_global_namespace() -> Any:
+    """optree's global namespace (its private sentinel), or None where absent."""
+    import optree
+
+    return getattr(optree.registry, "__GLOBAL_NAMESPACE", None)
+
+
 # -- torch.nn.modules.module's global forward hooks ------------------------------------
 # fg.ghost_clip's tap is a global forward hook that is in torch's hook table only while
 # a ghost step runs: any hook there sends every nn.Module call in the process down

@@ -169,3 +169,39 @@ def test_fused_optimizer_kernels_are_torchs_fused_optimizers():
         state = {"exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)}
         call(p, g.clone(), state)
         assert torch.equal(p, w.detach()), cls
+
+
+def test_optree_global_namespace_lets_a_users_optree_see_a_flat_by_name():
+    import optree
+
+    import funcgrad as fg
+
+    assert _compat.optree_global_namespace() is not None  # optree still has the sentinel
+    model = torch.nn.Linear(2, 1)
+    flat = fg.params(model)
+    leaves = optree.tree_leaves(flat)  # no namespace: the global one
+    assert [tuple(t.shape) for t in leaves] == [(1, 2), (1,)]
+    doubled = optree.tree_map(lambda t: t * 2, flat)
+    assert torch.equal(doubled["weight"], model.weight.detach() * 2)
+
+
+def test_global_forward_hook_goes_in_and_out_of_torchs_table_under_one_key():
+    from torch.nn.modules import module
+
+    seen: list[str] = []
+    hook = _compat.GlobalForwardHook(lambda m, args, kwargs, out: seen.append(type(m).__name__))
+    lin = torch.nn.Linear(2, 2)
+    before = dict(module._global_forward_hooks)
+    assert hook.key not in module._global_forward_hooks
+    for _ in range(2):
+        hook.add()
+        hook.add()  # idempotent
+        assert module._global_forward_hooks[hook.key] is not None
+        assert module._global_forward_hooks_with_kwargs[hook.key] is True
+        lin(torch.ones(1, 2))
+        hook.remove()
+        hook.remove()
+        assert dict(module._global_forward_hooks) == before
+        assert hook.key not in module._global_forward_hooks_with_kwargs
+        lin(torch.ones(1, 2))
+    assert seen == ["Linear", "Linear"]

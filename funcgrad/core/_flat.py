@@ -470,9 +470,9 @@ def _fits(child: Any, shape: tuple[int, ...]) -> bool:
     )
 
 
-for _namespace in (NAMESPACE, getattr(optree.registry, "__GLOBAL_NAMESPACE", None)):
-    # also in optree's global namespace (a private name of optree's; without it a
-    # user's optree.tree_map sees a Flat as one leaf), as a user reads it: by name
+for _namespace in (NAMESPACE, _compat.optree_global_namespace()):
+    # also in optree's global namespace (_compat: without it a user's optree.tree_map
+    # sees a Flat as one leaf), as a user reads it: by name
     if _namespace is not None:
         optree.register_pytree_node(
             Flat,
