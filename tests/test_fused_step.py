@@ -298,6 +298,46 @@ def test_compiled_step_is_traced_not_fused(fused_calls):
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_step_with_inductor_writes_the_state_in_place(dtype):
+    """torch.compile(opt.step) with inductor, AdamW with the seed rule in front: the
+    eager optimizer's values (float64 1e-12, float32 1e-5), one graph over the steps,
+    the state's tensors the same objects after every step (written in place, as the
+    fused kernels do; a new state each step made the compiled update 7.8x torch's fused
+    AdamW at 29.4M parameters), and its state_dict resumes eagerly."""
+    from torch._dynamo.utils import counters
+
+    def opt_for(m: nn.Module) -> fg.Optimizer:
+        rule = fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m))
+        return fg.Optimizer(m, fg.chain(rule, fg.adamw(1e-2, weight_decay=0.1)))
+
+    a, b = net(dtype), net(dtype)
+    eager = opt_for(a)
+    want = run(a, eager, dtype)
+    opt = opt_for(b)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(opt.step)
+    held: list[list[int]] = []
+
+    def step() -> None:
+        compiled()
+        held.append([id(t) for t in torch.utils._pytree.tree_leaves(opt.tx_state)])
+
+    opt.step = step  # type: ignore[method-assign]
+    got = run(b, opt, dtype)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert all(ids == held[0] for ids in held[1:])  # the same tensors: written in place
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **tol)
+    resumed = opt_for(b)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    after, more = run(b, resumed, dtype), run(a, eager, dtype)
+    for k in more:
+        torch.testing.assert_close(after[k], more[k], **tol)
+
+
 def test_state_dict_after_fused_steps_resumes(fused_calls):
     """The state the fused kernels write in place is the state a checkpoint saves."""
     dt = torch.float32
