@@ -86,8 +86,8 @@ def functional_collectives() -> ModuleType:
 # then frees nothing, and gloo's threads (and rank 0's TCPStore) run on into
 # interpreter exit, where a gloo thread that takes the GIL during finalization aborts
 # the process ("terminate called without an active exception"). Imported before, the
-# defaults are None. Checked on 2.13 and 2.14 (benchmarks/README.md, "A process group
-# alive at exit"). Replacement: none needed once torch resolves that default per call.
+# defaults are None. Checked on 2.13 and 2.14 (docs/distributed.md, "At exit").
+# Replacement: none needed once torch resolves that default per call.
 def import_distributed_nn_early() -> None:
     """Import ``torch.distributed.nn.functional`` now (2-8 ms), before a process group
     exists, so that its default arguments do not pin the world group."""

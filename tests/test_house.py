@@ -301,6 +301,18 @@ def test_private_torch_api_is_used_in_funcgrad_compat_only():
     )
 
 
+def test_library_code_never_points_at_benchmarks():
+    """benchmarks/ is not shipped: funcgrad's code, docstrings and messages point at
+    docs/ instead (a user who installed the wheel has no benchmarks/ to open)."""
+    found = [
+        f"{_path(m).relative_to(ROOT)}:{i}"
+        for m in _modules()
+        for i, line in enumerate(_path(m).read_text().splitlines(), 1)
+        if "benchmarks/" in line
+    ]
+    assert not found, f"{found}: point at docs/ (benchmarks/ is not in the package)"
+
+
 def test_import_funcgrad_loads_no_distributed_checkpoint():
     """``import funcgrad`` loads ``torch.distributed.checkpoint`` and the functional
     collectives only when used (a fresh interpreter)."""

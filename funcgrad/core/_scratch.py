@@ -35,10 +35,6 @@ class Scratch:
         self.free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[Tensor]] = {}
         self.lent: list[Tensor] = []
 
-    def take(self, like: Tensor, dtype: torch.dtype) -> Tensor:
-        """An uninitialized tensor shaped like ``like``, of ``dtype``."""
-        return self.empty(tuple(like.shape), dtype, like.device)
-
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """An uninitialized tensor of ``shape``, ``dtype`` on ``device``."""
         key = (shape, dtype, device)

@@ -121,7 +121,7 @@ def all_reduce_mean(
             means the default (world) group.
         bucket: flatten all gradients of one dtype into a single buffer and issue one
             collective instead of one per tensor (fewer, larger messages: faster on
-            gloo; see ``benchmarks/bench_dist.py``).
+            gloo: docs/distributed.md).
         noop_if_not_initialized: pass gradients through unchanged when no process
             group is initialized, instead of raising.
 

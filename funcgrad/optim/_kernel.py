@@ -371,7 +371,6 @@ def build(spec: Spec) -> GradientTransformation:
             decay_per_buffer(decay, layout) if spec.elementwise and layout is not None else None
         )
         if layout is not None and per_buffer is not None:
-            assert layout is not None
             grads = flat.pack(grads, layout)
             if params is not None:
                 params = flat.pack(params, layout)

@@ -55,7 +55,6 @@ class Groups(Mapping[str, tuple[str, ...]]):
                 owner[n] = gname
             data[gname] = names
         self._data = data
-        self._owner = owner
 
     def __getitem__(self, key: str) -> tuple[str, ...]:
         try:
@@ -81,10 +80,6 @@ class Groups(Mapping[str, tuple[str, ...]]):
         if isinstance(other, Groups):
             return self._data == other._data
         return NotImplemented
-
-    def group_of(self, param_name: str) -> str | None:
-        """The group holding ``param_name``, or ``None`` if it is in no group."""
-        return self._owner.get(param_name)
 
     def select(self, *group_names: str) -> Groups:
         """A ``Groups`` holding only the named groups; unknown names are an error."""

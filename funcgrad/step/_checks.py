@@ -204,8 +204,8 @@ def warn_shared_cache(environ: Mapping[str, str]) -> None:
     torch 2.13's cache does not tell kernels built for one CPU capability from
     another's: a process on AVX-512 that reads kernels compiled under
     ``ATEN_CPU_CAPABILITY=avx2`` computes garbage or corrupts its heap (glibc aborts
-    such as ``free(): invalid pointer``; ``benchmarks/repro_inductor_isa_cache.py``
-    reproduces it without funcgrad). Warnings pass a Python's default filter once
+    such as ``free(): invalid pointer``; docs/testing.md, "On another CPU", says how
+    it shows without funcgrad). Warnings pass a Python's default filter once
     per place, so this needs no registry of its own."""
     capability = environ.get("ATEN_CPU_CAPABILITY")
     if capability and not environ.get("TORCHINDUCTOR_CACHE_DIR"):
@@ -214,7 +214,7 @@ def warn_shared_cache(environ: Mapping[str, str]) -> None:
             "the default one, shared with processes on other kernel paths. torch's cache "
             "does not tell kernels built for one CPU capability from another's, and a "
             "process that reads the other's kernels computes wrong values or corrupts its "
-            "heap (benchmarks/repro_inductor_isa_cache.py). Give each capability its own "
+            "heap (funcgrad's docs/testing.md, 'On another CPU'). Give each capability its own "
             f"cache: TORCHINDUCTOR_CACHE_DIR=/some/dir/inductor-{capability}.",
             stacklevel=3,
         )

@@ -180,7 +180,7 @@ def _probed(grads: Params) -> list[Tensor]:
     those: its flat gradient may be dead code (the rules read the per-name ones), and
     a probe of it would keep it. Through the flat gradient a buffer is one probe,
     which keeps a deep stack's compile short (one per name cost about 2 CPU s of 31 at
-    40 layers, benchmarks/README.md)."""
+    40 layers: docs/compile-notes.md)."""
     if not isinstance(grads, Flat):
         return leaves(grads)
     out: list[Tensor] = []
