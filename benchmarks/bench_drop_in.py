@@ -151,6 +151,7 @@ def arms(
         lambda m: torch.optim.AdamW(m.parameters(), LR, weight_decay=WD, fused=True),
         rule=True,
     )
+
     def with_rule(m: nn.Module) -> fg.Optimizer:
         rule = fg.per_group(RULE, fg.group_by_module(m))
         return fg.Optimizer(m, fg.chain(rule, fg.adamw(LR, weight_decay=WD)))

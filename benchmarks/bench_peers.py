@@ -20,10 +20,16 @@ in its hooks and functorch modes with ``DPOptimizer``, and ghost clipping
 ``DPLossFastGradientClipping``). Each must agree with funcgrad after three float64
 steps (1e-9) before the float32 timing (interleaved medians).
 
+Hugging Face models (``--hf``; needs transformers and opacus): tiny GPT-2
+(LM head, tied embeddings) and BERT (sequence classification), random weights, batch
+16 x 32 tokens, float64. fg.ghost_clip's clipped mean gradient against each Opacus mode
+(ghost, fast gradient clipping without ghost, hooks), noise 0, where Opacus runs; where
+it raises, the error and where in Opacus it came from.
+
 Needs the optional extra: ``pip install -e ".[bench]"`` (jax, optax, opacus). Without a
 peer the script says so, skips that part and exits 0.
 
-Run: python benchmarks/bench_peers.py
+Run: python benchmarks/bench_peers.py [--hf]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -303,10 +310,173 @@ def opacus_main() -> dict[str, object]:
     return {"opacus_step_s": med, "opacus_same_update_rel_diff": worst}
 
 
+def hf_model(name: str) -> nn.Module:
+    """Tiny GPT-2 / BERT from configs (random weights, nothing downloaded), taking ids
+    and returning logits."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        inner: nn.Module = tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=2, n_head=4,
+                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                          bos_token_id=0, eos_token_id=0)
+        )  # fmt: skip
+    else:
+        inner = tf.BertForSequenceClassification(
+            tf.BertConfig(vocab_size=65, hidden_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=512,
+                          max_position_embeddings=64, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, num_labels=10)
+        )  # fmt: skip
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = inner
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=ids).logits
+
+    return Logits().double()
+
+
+def hf_main() -> dict[str, object]:
+    """fg.ghost_clip against Opacus's three modes on tiny GPT-2 and BERT."""
+    import traceback
+
+    from opacus import GradSampleModule
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 65, (16, 33), generator=g)
+    labels = {"gpt2": ids[:, 1:], "bert": torch.randint(0, 10, (16,), generator=g)}
+    x, out = ids[:, :-1], {}
+
+    def ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def frozen(w: nn.Module) -> nn.Module:  # the embeddings out of training
+        for n, p in w.named_parameters():
+            p.requires_grad_("embeddings" not in n)
+        return w
+
+    for name in ("gpt2", "bert", "bert-frozen-embeddings"):
+        y = labels[name.split("-")[0]]
+        made = frozen if name.endswith("embeddings") else (lambda w: w)
+        model = made(hf_model(name.split("-")[0]).eval())
+        ours = funcgrad_clipped_grads_of(
+            model, lambda p, x, y, m=model: ce(fg.call(m, p, x), y), x, y
+        )
+
+        def opacus(mode: str, name: str, made: Any, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            # Opacus records activations in train mode only (no dropout: configs' 0.0)
+            w = made(hf_model(name.split("-")[0]).train())
+            sgd = torch.optim.SGD([p for p in w.parameters() if p.requires_grad], lr=LR)
+            if mode == "hooks":
+                gsm = GradSampleModule(w)
+                dp = DPOptimizer(sgd, noise_multiplier=0.0, max_grad_norm=CLIP,
+                                 expected_batch_size=16)  # fmt: skip
+                dp.zero_grad()
+                ce(gsm(x), y).backward()
+                dp.pre_step()
+            else:
+                gsm = GradSampleModuleFastGradientClipping(
+                    w, max_grad_norm=CLIP, use_ghost_clipping=mode == "ghost",
+                    loss_reduction="mean",
+                )  # fmt: skip
+                fgc = DPOptimizerFastGradientClipping(
+                    sgd, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=16,
+                    loss_reduction="mean",
+                )  # fmt: skip
+                crit = DPLossFastGradientClipping(gsm, fgc, nn.CrossEntropyLoss(), "mean")
+                fgc.zero_grad()
+                logits = gsm(x)
+                flat = logits.reshape(-1, logits.shape[-1])
+                crit(flat, y.reshape(-1), shape=logits.shape).backward()
+                fgc.pre_step()
+            return {k: p.grad.detach() for k, p in w.named_parameters() if p.requires_grad}
+
+        for mode in OPACUS_MODES_HF:
+            key = f"{name} opacus {mode}"
+            try:
+                theirs = opacus(mode, name, made, y)
+            except Exception as err:  # Opacus's own error, reported as found
+                where = traceback.extract_tb(err.__traceback__)[-1]
+                at = f"{where.filename.split('site-packages/')[-1]}:{where.lineno}"
+                out[key] = f"{type(err).__name__}: {str(err)[:120]} ({at})"
+                print(f"{key}: raised {out[key]}")
+                continue
+            worst = max(
+                float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()) for k in ours
+            )
+            out[key] = worst
+            print(f"{key}: ran; largest relative difference from fg.ghost_clip {worst:.1e}")
+    # Time per step where Opacus's hooks mode runs and agrees (BERT, embeddings frozen):
+    # a DP-SGD step (noise 0) each, float64, interleaved medians.
+    w = frozen(hf_model("bert").eval())
+    y = labels["bert"]
+    params = {k: v.clone() for k, v in fg.params(w).views().items()}
+    tx = fg.sgd(LR)
+    state = tx.init(params)
+    ghost = fg.make_step(lambda p, x, y: ce(fg.call(w, p, x), y), tx,
+                         per_sample=fg.ghost_clip(CLIP))  # fmt: skip
+    vmapped = fg.make_step(lambda p, x, y: ce(fg.call(w, p, x), y), tx,
+                           per_sample=fg.clip_by_global_norm(CLIP))  # fmt: skip
+    o = frozen(hf_model("bert").train())
+    gsm = GradSampleModule(o)
+    dp = DPOptimizer(torch.optim.SGD([p for p in o.parameters() if p.requires_grad], lr=LR),
+                     noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=16)  # fmt: skip
+
+    def opacus_step() -> None:
+        dp.zero_grad()
+        ce(gsm(x), y).backward()
+        dp.step()
+
+    med = interleaved(
+        {
+            "fg.ghost_clip": lambda: ghost(params, state, x, y),
+            "fg.clip_by_global_norm (vmap)": lambda: vmapped(params, state, x, y),
+            "opacus hooks": opacus_step,
+        },
+        5,
+        3,
+    )
+    print("BERT, embeddings frozen, one DP step (float64), median of 5x3:")
+    for k, v in med.items():
+        print(f"  {k:30s} {v * 1e3:8.1f} ms   / fg.ghost_clip {v / med['fg.ghost_clip']:5.2f}")
+    return {"opacus_hf": out, "bert_frozen_step_s": med}
+
+
+OPACUS_MODES_HF = ("ghost", "fast-gradient-clipping", "hooks")
+
+
+def funcgrad_clipped_grads_of(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor):
+    """The clipped mean gradient fg.ghost_clip hands to ``tx`` for ``loss_fn``."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(grads, params):
+        seen.update({k: v.clone() for k, v in grads.items()})
+        return grads
+
+    tx = fg.chain(fg.stateless(capture), fg.sgd(LR))
+    params = {k: v.clone() for k, v in fg.params(model).views().items()}
+    fg.make_step(loss_fn, tx, per_sample=fg.ghost_clip(CLIP))(params, tx.init(params), x, y)
+    return seen
+
+
 def main() -> None:
     if "--child" in sys.argv:
         return first_call_child()
     result: dict[str, object] = {}
+    if "--hf" in sys.argv:
+        result |= hf_main()
+        out = Path(__file__).parent / "results"
+        out.mkdir(exist_ok=True)
+        (out / "bench_peers_hf.json").write_text(json.dumps(result, indent=2))
+        return
     try:
         import jax  # noqa: F401
         import optax  # noqa: F401
