@@ -18,6 +18,7 @@ from references import (
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
+from funcgrad.step._handle import Step
 
 
 def reference_run(model: SeedModel, x: torch.Tensor, steps: int) -> dict[str, torch.Tensor]:
@@ -89,6 +90,18 @@ def test_compiled_donated_equals_eager_and_compiles_once(compiled_seed):
     assert all(a is b for a, b in zip(state.inner_states[1].mu.values(), state_leaves, strict=True))
     # fc1 really was all-zero, and the rule made it move.
     assert not torch.equal(params["fc1.bias"], torch.full((2,), -10.0))
+
+
+def test_the_step_says_whether_it_ran_compiled(compiled_seed):
+    """make_step returns an fg.make_step Step: is_compiled says which path the last call
+    took; wait_compiled without a background build says whether the step is compiled."""
+    model, tx, step = compiled_seed
+    assert isinstance(step, Step) and repr(step).startswith("<fg.make_step step")
+    params = fg.params(model)
+    step(params, tx.init(params), torch.rand(3, 1))
+    assert step.is_compiled and step.wait_compiled(0.0)
+    _, eager = make(dead_seed_model(torch.float32))
+    assert not eager.is_compiled and not eager.wait_compiled()
 
 
 def test_donated_equals_not_donated():

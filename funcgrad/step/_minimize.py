@@ -6,7 +6,6 @@ iterations eagerly (each decision reads a loss on the host, as torch's LBFGS doe
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from ..core._compose import transform_active
 from ..core._flat import Flat
 from ..core._vector import flat_vector, unflatten
 from ._checks import compile_scope
+from ._handle import Step
 
 
 def minimize_step(
@@ -29,7 +29,7 @@ def minimize_step(
     donate: bool,
     per_sample: Any,
     buffers: bool,
-) -> Callable[..., tuple[Any, ...]]:
+) -> Step:
     """``step(params, state, *batch) -> (params, state, loss[, aux])`` for ``tx`` with
     ``facts.minimize``; ``loss`` (and ``aux``) from the first evaluation, as torch's
     ``LBFGS.step`` returns the closure's first loss."""
@@ -81,5 +81,4 @@ def minimize_step(
             out_params = new
         return (out_params, state, *first) if has_aux else (out_params, state, first)
 
-    step.is_compiled = scope is not None  # type: ignore[attr-defined]
-    return step
+    return Step(step, is_compiled=scope is not None)

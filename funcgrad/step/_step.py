@@ -60,6 +60,7 @@ from . import _scalars
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
 from ._ghost import ghost_gradients, hooked
+from ._handle import Step
 from ._minimize import minimize_step
 from ._model import shadowing, watching_buffers
 from ._per_sample import vmapped_grads
@@ -506,12 +507,15 @@ def make_step(
     donate: bool = False,
     per_sample: GradientTransformation | None = None,
     buffers: bool = False,
-) -> Callable[..., tuple[Any, ...]]:
+) -> Step:
     """Build ``step(params, state, *batch) -> (params, state, loss)``.
 
     One step computes ``grads = torch.func.grad(loss_fn)(params, *batch)``, then
     ``updates, state = tx.update(grads, state, params)`` and
-    ``params = fg.apply_updates(params, updates)``.
+    ``params = fg.apply_updates(params, updates)``. The step is a callable object:
+    ``step.is_compiled`` says whether its last call ran compiled, and
+    ``step.wait_compiled(timeout=None)`` waits for a ``compile="async"`` build (else
+    it says whether the step is compiled).
 
     Args:
         loss_fn: ``loss_fn(params, *batch) -> scalar`` (``(scalar, aux)`` with
@@ -636,9 +640,11 @@ def make_step(
     compiled = scope == "step"
     pure_buffers = buffers and not donate and scope in ("step", "gradients", "async")
 
-    def step(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+    def scoped(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         with core.scope():
             return call(params, state, *args)
+
+    step = Step(scoped)
 
     def call(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if isinstance(params, Flat):
@@ -672,10 +678,9 @@ def make_step(
             if better is None and (compiled or (background is not None and background.ready)):
                 better = explain_compile_failure(err, lambda: core.pure_step(params, state, *args))
             reraise(err, better)
-        step.is_compiled = compiled or (background is not None and background.is_compiled)  # type: ignore[attr-defined]
+        step.is_compiled = compiled or (background is not None and background.is_compiled)
         return out
 
-    step.is_compiled = False  # type: ignore[attr-defined]
     if background is not None:
-        step.wait_compiled = background.wait  # type: ignore[attr-defined]
+        step._wait = background.wait
     return step
