@@ -594,7 +594,7 @@ class _Core:
                 return
         updates, state = self.full.update(grads, self.state, params)
         state = self.reduced(state)
-        self.state = _written_into(self.state, state) if compiling() else state
+        self.state = _written_into(self.state, state, parameters) if compiling() else state
         us = [updates[n] for n in names]
         us = [
             u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
@@ -658,13 +658,15 @@ def _scalar_entry(value: Any, ratio: float, like: Tensor) -> Tensor:
     return torch.tensor(float(value) * ratio, dtype=torch.float64, device=like.device)
 
 
-def _written_into(old: State, new: State) -> State:
+def _written_into(old: State, new: State, parameters: list[Tensor]) -> State:
     """Traced (``torch.compile(opt.step)``): the new state's tensors copied into the old
     state's, which then stays the state, as the fused kernels update the moments in
     place. Inductor then writes each state buffer where it lies, in the kernel that
     computes it; a new state would be fresh buffers every step (on the 29.4M-parameter
-    model, 7.8x torch's fused AdamW on the update). A state whose structure, shapes or
-    dtypes changed (none of funcgrad's do) is the new one as it is."""
+    model, 7.8x torch's fused AdamW on the update). The new state as it is where that
+    would not be the same values: its structure, shapes or dtypes changed, one old
+    tensor sits at two places, or an old tensor is a parameter (none of funcgrad's
+    optimizers do any of these)."""
     olds, old_spec = tree_flatten(old)
     news, new_spec = tree_flatten(new)
     if old_spec != new_spec:
@@ -679,6 +681,9 @@ def _written_into(old: State, new: State) -> State:
         ):  # fmt: skip
             return new
         pairs.append((o, n))
+    targets = {id(o) for o, _ in pairs}
+    if len(targets) != len(pairs) or any(id(p) in targets for p in parameters):
+        return new
     for o, n in pairs:
         o.copy_(n)
     return old

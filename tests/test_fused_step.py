@@ -349,3 +349,30 @@ def test_state_dict_after_fused_steps_resumes(fused_calls):
     ob.load_state_dict(copy.deepcopy(oa.state_dict()))
     assert_bitwise(run(b, ob, dt), run(a, oa, dt))
     assert len(fused_calls) == 3 * STEPS
+
+
+def test_the_traced_state_is_written_in_place_only_where_that_keeps_the_values():
+    """torch_optim._written_into (what a traced opt.step does with the new state): the
+    old tensors take the new values, unless one old tensor sits at two places, an old
+    tensor is a parameter, or the structure changed; then the new state is the state
+    and nothing old is written."""
+    from funcgrad.torch_optim import _written_into
+
+    p = torch.zeros(2)
+    a, b = torch.zeros(2), torch.zeros(3)
+    new = {"m": torch.ones(2), "v": torch.full((3,), 2.0), "n": 5}
+    old = {"m": a, "v": b, "n": 5}
+    assert _written_into(old, new, [p]) is old
+    assert torch.equal(a, new["m"]) and torch.equal(b, new["v"])
+    twin = {"m": torch.ones(2), "v": torch.full((2,), 2.0), "n": 5}
+    for bad_old, given in (
+        ({"m": a, "v": a, "n": 5}, twin),  # one tensor at two places
+        ({"m": p, "v": torch.zeros(3), "n": 5}, new),  # a parameter
+        ({"m": a, "n": 5}, new),  # another structure
+        ({"m": a, "v": torch.zeros(3, dtype=torch.float64), "n": 5}, new),  # a dtype
+        ({"m": a, "v": torch.zeros(3), "n": 6}, new),  # a Python value changed
+    ):
+        before = [t.clone() for t in bad_old.values() if isinstance(t, torch.Tensor)]
+        assert _written_into(bad_old, given, [p]) is given
+        after = [t for t in bad_old.values() if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
