@@ -36,8 +36,6 @@ from .io._checkpoint import load_checkpoint as load_checkpoint
 from .io._checkpoint import save_checkpoint as save_checkpoint
 from .io._state_dict import load_state_dict as load_state_dict
 from .io._state_dict import state_dict as state_dict
-from .io._torch_state import adam_state_from_torch as adam_state_from_torch
-from .io._torch_state import adam_state_to_torch as adam_state_to_torch
 from .io._torch_state import state_from_torch as state_from_torch
 from .io._torch_state import state_to_torch as state_to_torch
 from .optim._adadelta import AdadeltaState as AdadeltaState
@@ -105,3 +103,24 @@ from .transforms._nonfinite import SkipIfNonfiniteState as SkipIfNonfiniteState
 from .transforms._nonfinite import skip_if_nonfinite as skip_if_nonfinite
 
 __version__ = "0.1.0"
+
+_REMOVED = {
+    "adam_state_from_torch": (
+        "fg.adam_state_from_torch was removed (the Adam-only twin of fg.state_from_torch). "
+        "Use fg.state_from_torch(tx, optimizer, params) with tx = fg.adam(...) or "
+        "fg.adamw(...) built with the optimizer's hyperparameters and params = "
+        "dict(model.named_parameters())."
+    ),
+    "adam_state_to_torch": (
+        "fg.adam_state_to_torch was removed (the Adam-only twin of fg.state_to_torch). "
+        "Use fg.state_to_torch(tx, state, optimizer, params) with the tx that made the "
+        "state and params = dict(model.named_parameters())."
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    """A removed public name: an AttributeError that says what replaces it."""
+    if name in _REMOVED:
+        raise AttributeError(_REMOVED[name])
+    raise AttributeError(f"module 'funcgrad' has no attribute {name!r}")

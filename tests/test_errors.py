@@ -29,27 +29,6 @@ def _load_params_non_tensor():
     fg.load_params(model, {"weight": [[1.0]], "bias": torch.zeros(1)})
 
 
-def _opt_pair(amsgrad_groups=(False, False)):
-    a, b = nn.Linear(1, 1), nn.Linear(1, 1)
-    opt = torch.optim.Adam(
-        [
-            {"params": a.parameters(), "amsgrad": amsgrad_groups[0]},
-            {"params": b.parameters(), "amsgrad": amsgrad_groups[1]},
-        ]
-    )
-    named = {
-        **{f"a.{k}": v for k, v in a.named_parameters()},
-        **{f"b.{k}": v for k, v in b.named_parameters()},
-    }
-    return opt, named
-
-
-def _state_missing_entries():
-    opt, named = _opt_pair()
-    state = fg.adam().init({"a.weight": torch.zeros(1, 1)})
-    fg.adam_state_to_torch(state, opt, named)
-
-
 def _step(**kw):
     model = nn.Linear(2, 1)
 
@@ -586,26 +565,17 @@ CASES = [
         lambda: fg.group_by_module(SeedModel(), types=int),
     ),
     (
-        "expected a torch.optim.Adam or AdamW, got SGD",
-        TypeError,
-        lambda: fg.adam_state_from_torch(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), {}),
+        "fg.adam_state_from_torch was removed (the Adam-only twin of fg.state_from_torch). "
+        "Use fg.state_from_torch(tx, optimizer, params)",
+        AttributeError,
+        lambda: fg.adam_state_from_torch,
     ),
     (
-        "in the optimizer is not among named_params",
-        KeyError,
-        lambda: fg.adam_state_from_torch(torch.optim.Adam(nn.Linear(1, 1).parameters()), {}),
+        "fg.adam_state_to_torch was removed (the Adam-only twin of fg.state_to_torch). "
+        "Use fg.state_to_torch(tx, state, optimizer, params)",
+        AttributeError,
+        lambda: fg.adam_state_to_torch,
     ),
-    (
-        "param groups disagree on amsgrad",
-        ValueError,
-        lambda: fg.adam_state_from_torch(*_opt_pair((False, True))),
-    ),
-    (
-        "expected an fg.AdamState, got EmptyState.",
-        TypeError,
-        lambda: fg.adam_state_to_torch(fg.EmptyState(), *_opt_pair()),
-    ),
-    ("the state has no entries for the optimizer's parameters", KeyError, _state_missing_entries),
     ("fg.load_params: 'weight' is a list, not a Tensor.", TypeError, _load_params_non_tensor),
     (
         "fg.call: expected an nn.Module as first argument, got dict",
