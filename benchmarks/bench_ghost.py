@@ -33,6 +33,27 @@ import funcgrad as fg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
+def hf_model(name: str) -> nn.Module:
+    """Tiny Hugging Face ``"gpt2"`` (LM head, tied embeddings) or ``"bert"`` (sequence
+    classification, 10 labels) from configs: 2 layers, dim 128, 64 positions, vocabulary
+    65, no dropout, random weights (nothing downloaded)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=2, n_head=4,
+                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                          bos_token_id=0, eos_token_id=0)
+        )  # fmt: skip
+    return tf.BertForSequenceClassification(
+        tf.BertConfig(vocab_size=65, hidden_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, intermediate_size=512,
+                      max_position_embeddings=64, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, num_labels=10)
+    )  # fmt: skip
+
+
 def build(name: str):
     """(model, loss_fn, batch) for ``name``."""
     torch.manual_seed(0)
@@ -48,21 +69,7 @@ def build(name: str):
 
         return model, loss, batch
     if name in ("hf-gpt2", "hf-bert"):  # Hugging Face's own code, random weights
-        import transformers as tf
-
-        if name == "hf-gpt2":
-            model = tf.GPT2LMHeadModel(
-                tf.GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=2, n_head=4,
-                              attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                              bos_token_id=0, eos_token_id=0)
-            ).eval()  # fmt: skip
-        else:
-            model = tf.BertForSequenceClassification(
-                tf.BertConfig(vocab_size=65, hidden_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, intermediate_size=512,
-                              max_position_embeddings=64, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0, num_labels=10)
-            ).eval()  # fmt: skip
+        model = hf_model(name[3:]).eval()
         idx = torch.randint(0, 65, (16, 65))
 
         def hf_loss(p, x, y):

@@ -311,24 +311,11 @@ def opacus_main() -> dict[str, object]:
 
 
 def hf_model(name: str) -> nn.Module:
-    """Tiny GPT-2 / BERT from configs (random weights, nothing downloaded), taking ids
-    and returning logits."""
-    import transformers as tf
+    """bench_ghost's tiny GPT-2 / BERT (random weights, nothing downloaded), taking ids
+    and returning logits, in float64."""
+    from bench_ghost import hf_model as tiny
 
-    torch.manual_seed(0)
-    if name == "gpt2":
-        inner: nn.Module = tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=2, n_head=4,
-                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-                          bos_token_id=0, eos_token_id=0)
-        )  # fmt: skip
-    else:
-        inner = tf.BertForSequenceClassification(
-            tf.BertConfig(vocab_size=65, hidden_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, intermediate_size=512,
-                          max_position_embeddings=64, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0, num_labels=10)
-        )  # fmt: skip
+    inner = tiny(name)
 
     class Logits(nn.Module):
         def __init__(self) -> None:
