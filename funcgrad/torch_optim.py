@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ._compat import compiling, tree_flatten
-from .core._base import GradientTransformation, Params, State
+from .core._base import GradientTransformation, Params, State, require_transformation
 from .core._combine import ParamGroupsState
 from .core._tree import tree_map
 from .core._vector import flat_vector, unflatten
@@ -113,11 +113,7 @@ class Optimizer(torch.optim.Optimizer):
         tx: GradientTransformation,
     ) -> None:
         who = "fg.Optimizer"
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(
-                f"{who}: tx must be a GradientTransformation (e.g. fg.adamw()), got "
-                f"{type(tx).__name__}."
-            )
+        require_transformation(tx, f"{who}: tx", "fg.adamw()")
         self._tx = tx
         self._core: _Core | None = None
         self._names: set[str] = set()

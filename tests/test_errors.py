@@ -212,7 +212,7 @@ CASES = [
         _to_torch_other_state,
     ),
     (
-        "fg.sharded: wraps a GradientTransformation, got Rule.",
+        "fg.sharded: tx must be a GradientTransformation (e.g. fg.adam()), got Rule.",
         TypeError,
         lambda: fg.sharded(rules.zero_fix()),
     ),
@@ -347,7 +347,7 @@ CASES = [
         lambda: fg.accumulate(fg.adam(), every=0),
     ),
     (
-        "fg.accumulate: wraps a GradientTransformation, got Rule.",
+        "fg.accumulate: tx must be a GradientTransformation (e.g. fg.adam()), got Rule.",
         TypeError,
         lambda: fg.accumulate(rules.zero_fix(), every=2),
     ),
@@ -402,7 +402,7 @@ CASES = [
         lambda: fg.named_chain(("a", fg.adam()), ("a", fg.adam())),
     ),
     (
-        "fg.named_chain: argument 1 is a Rule, not a GradientTransformation",
+        "fg.named_chain: argument 1 must be a GradientTransformation (e.g. fg.adam()), got Rule.",
         TypeError,
         lambda: fg.named_chain(("a", fg.adam()), ("b", rules.zero_fix())),
     ),
@@ -496,7 +496,7 @@ CASES = [
         lambda: fg.cosine_decay(1.0, 10, alpha=2.0),
     ),
     (
-        "fg.chain: argument 0 is a Rule, not a GradientTransformation",
+        "fg.chain: argument 0 must be a GradientTransformation (e.g. fg.adam()), got Rule.",
         TypeError,
         lambda: fg.chain(rules.zero_fix()),
     ),
@@ -603,7 +603,7 @@ CASES = [
         lambda: fg.add_noise(1.0, 0).update(P, fg.EmptyState()),
     ),
     (
-        "fg.skip_if_nonfinite: wraps a GradientTransformation, got Rule.",
+        "fg.skip_if_nonfinite: tx must be a GradientTransformation (e.g. fg.adam()), got Rule.",
         TypeError,
         lambda: fg.skip_if_nonfinite(rules.zero_fix()),
     ),
@@ -649,7 +649,7 @@ CASES = [
         lambda: fg.make_step(lambda p: 0, rules.zero_fix()),
     ),
     (
-        "fg.make_step: per_sample must be a stateless GradientTransformation",
+        "fg.make_step: per_sample must be a GradientTransformation (e.g. fg.ghost_clip(1.0), stateless)",
         TypeError,
         lambda: fg.make_step(lambda p: 0, fg.adam(), per_sample=rules.zero_fix()),
     ),
@@ -664,7 +664,7 @@ CASES = [
         _per_sample_no_batch,
     ),
     (
-        "fg.partition: transforms['a'] is a Rule, not a GradientTransformation.",
+        "fg.partition: transforms['a'] must be a GradientTransformation (e.g. fg.adam()), got Rule.",
         TypeError,
         lambda: fg.partition({"a": rules.zero_fix()}, {}),
     ),

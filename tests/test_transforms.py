@@ -168,7 +168,10 @@ def test_per_group_errors():
     ):
         bad.update(grads(0), fg.EmptyState())
     with pytest.raises(
-        TypeError, match=re.escape("fg.chain: argument 1 is a Rule, not a GradientTransformation")
+        TypeError,
+        match=re.escape(
+            "fg.chain: argument 1 must be a GradientTransformation (e.g. fg.adam()), got Rule."
+        ),
     ):
         fg.chain(fg.adam(), fg.rules.zero_fix())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape("fg.monitor: unknown stats ['mean']")):

@@ -117,6 +117,22 @@ class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
+def require_transformation(obj: object, what: str, example: str = "fg.adam()") -> None:
+    """A TypeError unless ``obj`` is a :class:`GradientTransformation`: "``what`` must be
+    a GradientTransformation (e.g. ``example``), got ``type``.", and where ``obj`` is a
+    callable (a rule), how to make it one."""
+    if isinstance(obj, GradientTransformation):
+        return
+    hint = (
+        " A rule (a function of a group) becomes one with fg.per_group(rule, groups)."
+        if callable(obj)
+        else ""
+    )
+    raise TypeError(
+        f"{what} must be a GradientTransformation (e.g. {example}), got {type(obj).__name__}.{hint}"
+    )
+
+
 def stateless(fn: Callable[[Params, Params | None], Params]) -> GradientTransformation:
     """Wrap ``fn(grads, params) -> updates`` as a transformation with an empty state.
 

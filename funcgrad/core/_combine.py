@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, State, shardable
+from ._base import GradientTransformation, Params, State, require_transformation, shardable
 from ._tree import names_mismatch
 
 
@@ -20,13 +20,7 @@ class ChainState(NamedTuple):
 
 def _check_transforms(transforms: Sequence[GradientTransformation], who: str) -> None:
     for i, t in enumerate(transforms):
-        if not isinstance(t, GradientTransformation):
-            raise TypeError(
-                f"{who}: argument {i} is a {type(t).__name__}, not a "
-                "GradientTransformation. Pass transformations such as fg.adam(...) or "
-                "fg.per_group(rule, groups); to use a bare rule, wrap it with "
-                "fg.per_group(rule, groups)."
-            )
+        require_transformation(t, f"{who}: argument {i}")
 
 
 def _run_in_order(
@@ -162,11 +156,7 @@ def partition(
     """
     transforms = dict(transforms)
     for k, t in transforms.items():
-        if not isinstance(t, GradientTransformation):
-            raise TypeError(
-                f"fg.partition: transforms['{k}'] is a {type(t).__name__}, not a "
-                "GradientTransformation."
-            )
+        require_transformation(t, f"fg.partition: transforms['{k}']")
 
     def resolve(params: Mapping[str, Tensor]) -> dict[str, str]:
         lab = dict(labels(dict(params)) if callable(labels) else labels)

@@ -48,6 +48,7 @@ from ..core._base import (
     State,
     check_state,
     params_device,
+    require_transformation,
     wrapping,
 )
 from ..core._compose import refuse_transforms
@@ -572,8 +573,7 @@ def sharded(
         >>> type(state).__name__, updates["w"]  # the zero became 0.5, then Adam's sign step
         ('ShardedState', tensor([-0.1000,  0.1000]))
     """
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"fg.sharded: wraps a GradientTransformation, got {type(tx).__name__}.")
+    require_transformation(tx, "fg.sharded: tx")
     if tx.facts.averages:
         raise ValueError(
             "fg.sharded: tx contains fg.all_reduce_mean. fg.sharded averages the gradients "

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..core._base import GradientTransformation
+from ..core._base import GradientTransformation, require_transformation
 from ..core._combine import by_groups
 from ._hparams import OptimizerInfo, is_schedule
 
@@ -111,8 +111,7 @@ def grouped(
         [0.1, 0.01]
     """
     who = "fg.grouped"
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"{who}: tx must be a GradientTransformation, got {type(tx).__name__}.")
+    require_transformation(tx, f"{who}: tx")
     if not groups:
         raise ValueError(f"{who}: give at least one param group.")
     group_of: dict[str, int] = {}

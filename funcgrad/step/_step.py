@@ -50,6 +50,7 @@ from ..core._base import (
     Params,
     State,
     apply_updates,
+    require_transformation,
     updates_as_params,
 )
 from ..core._compose import transform_active
@@ -601,15 +602,10 @@ def make_step(
         >>> int(net[1].num_batches_tracked)
         1
     """
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(
-            f"fg.make_step: tx must be a GradientTransformation (e.g. fg.adam()), got "
-            f"{type(tx).__name__}."
-        )
-    if per_sample is not None and not isinstance(per_sample, GradientTransformation):
-        raise TypeError(
-            "fg.make_step: per_sample must be a stateless GradientTransformation, e.g. "
-            f"fg.per_group(fg.rules.clip_norm(1.0), groups); got {type(per_sample).__name__}."
+    require_transformation(tx, "fg.make_step: tx")
+    if per_sample is not None:
+        require_transformation(
+            per_sample, "fg.make_step: per_sample", "fg.ghost_clip(1.0), stateless"
         )
     if per_sample is not None and buffers:
         raise ValueError(

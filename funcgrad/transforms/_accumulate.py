@@ -33,6 +33,7 @@ from ..core._base import (
     State,
     check_state,
     params_device,
+    require_transformation,
     shardable,
 )
 from ..core._compose import transform_active
@@ -85,8 +86,7 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
         >>> u1["w"], u2["w"], int(s.inner.count)  # Adam's first step on the mean, 2.0
         (tensor([0.]), tensor([-0.1000]), 1)
     """
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"fg.accumulate: wraps a GradientTransformation, got {type(tx).__name__}.")
+    require_transformation(tx, "fg.accumulate: tx")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(
             f"fg.accumulate: every must be an int >= 1 (micro-steps per update), got {every!r}."

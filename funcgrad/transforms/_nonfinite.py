@@ -13,6 +13,7 @@ from ..core._base import (
     State,
     check_state,
     params_device,
+    require_transformation,
     shardable,
 )
 from ..core._invariants import invariants
@@ -47,10 +48,7 @@ def skip_if_nonfinite(tx: GradientTransformation) -> GradientTransformation:
         >>> u["w"], int(s.skipped), int(s.inner.count)
         (tensor([0.]), 1, 0)
     """
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(
-            f"fg.skip_if_nonfinite: wraps a GradientTransformation, got {type(tx).__name__}."
-        )
+    require_transformation(tx, "fg.skip_if_nonfinite: tx")
 
     nonfinite = any_nonfinite()  # its masks reduced through _rule_base.any_ (fast eagerly)
 
