@@ -595,7 +595,11 @@ class _Core:
         us = [
             u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
         ]
-        torch._foreach_add_(parameters, us)
+        if compiling():  # one add per tensor: inductor fuses each into its update's kernel
+            for p, u in zip(parameters, us, strict=True):
+                p.add_(u)
+        else:
+            torch._foreach_add_(parameters, us)
         self.pull(groups)
 
     def minimize(self, groups: list[dict[str, Any]], closure: Callable[[], Any]) -> Any:
