@@ -123,7 +123,7 @@ def optree_global_namespace() -> Any:
 # Checked on 2.13, 2.14. Replacement: a public way to scope a global hook (none in 2.14).
 class GlobalForwardHook:
     """A global forward hook (``with_kwargs=True``) put in and taken out of torch's
-    table under one key: :meth:`add`, :meth:`remove` (both idempotent)."""
+    table under one key, first in it: :meth:`add`, :meth:`remove` (both idempotent)."""
 
     def __init__(self, hook: Any) -> None:
         from torch.nn.modules import module as _module
@@ -134,7 +134,13 @@ class GlobalForwardHook:
         handle.remove()
 
     def add(self) -> None:
-        self._module._global_forward_hooks[self.key] = self._hook
+        """Into the table, first: it runs before any other global forward hook, on the
+        module's own output (torch runs them in the table's order)."""
+        hooks = self._module._global_forward_hooks
+        others = [(k, h) for k, h in hooks.items() if k != self.key]
+        hooks.clear()
+        hooks[self.key] = self._hook
+        hooks.update(others)
         self._module._global_forward_hooks_with_kwargs[self.key] = True
 
     def remove(self) -> None:

@@ -191,12 +191,14 @@ def test_global_forward_hook_goes_in_and_out_of_torchs_table_under_one_key():
     seen: list[str] = []
     hook = _compat.GlobalForwardHook(lambda m, args, kwargs, out: seen.append(type(m).__name__))
     lin = torch.nn.Linear(2, 2)
+    other = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
     before = dict(module._global_forward_hooks)
     assert hook.key not in module._global_forward_hooks
     for _ in range(2):
         hook.add()
         hook.add()  # idempotent
-        assert module._global_forward_hooks[hook.key] is not None
+        assert next(iter(module._global_forward_hooks)) == hook.key  # first: runs first
+        assert list(module._global_forward_hooks)[1:] == list(before)
         assert module._global_forward_hooks_with_kwargs[hook.key] is True
         lin(torch.ones(1, 2))
         hook.remove()
@@ -204,4 +206,5 @@ def test_global_forward_hook_goes_in_and_out_of_torchs_table_under_one_key():
         assert dict(module._global_forward_hooks) == before
         assert hook.key not in module._global_forward_hooks_with_kwargs
         lin(torch.ones(1, 2))
+    other.remove()
     assert seen == ["Linear", "Linear"]

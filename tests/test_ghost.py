@@ -468,6 +468,31 @@ def test_the_hook_is_in_torchs_table_only_while_a_ghost_step_runs():
         mine.remove()
 
 
+def test_a_users_own_global_hook_that_changes_outputs_is_differentiated_through():
+    """A global forward hook of the user's that rescales every Linear's output,
+    registered before any ghost step: the tap runs first, on the module's own output,
+    so the ghost gradients equal a per-sample loop over the hooked model. (Appended
+    after the user's hook, the zero would have been added to the rescaled output, and
+    each layer's norm taken from the wrong output gradient.)"""
+
+    def double(module, args, out):
+        return out * 2.0 if isinstance(module, nn.Linear) else None
+
+    model = MODELS["mlp"][0]
+    g = torch.Generator().manual_seed(5)
+    x, y = MODELS["mlp"][1](g)
+    x = x.double()
+    mine = nn.modules.module.register_module_forward_hook(double)
+    try:
+        params = fg.params(model).views()
+        got, *_ = ghost_gradients(_loss(model), False, C, "mean")(params, x, y)
+        want, _ = _loop_reference(model, params, x, y, C)
+    finally:
+        mine.remove()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12)
+
+
 def test_train_mode_batchnorm_is_refused_with_the_per_sample_message():
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).double()
     step = fg.make_step(_loss(model), fg.sgd(lr=0.1), per_sample=fg.ghost_clip(1.0))
