@@ -67,6 +67,11 @@ from ._model import shadowing, watching_buffers
 from ._per_sample import vmapped_grads
 
 
+def _ghost_of(per_sample: GradientTransformation | None) -> Any:
+    """``fg.ghost_clip``'s arguments where ``per_sample`` is one, else None."""
+    return per_sample.facts.ghost if isinstance(per_sample, GradientTransformation) else None
+
+
 def _gradients(
     loss_fn: LossFn, has_aux: bool, per_sample: GradientTransformation | None, buffers: bool
 ) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
@@ -99,7 +104,7 @@ def _gradients(
             return grads, loss, None, aux
 
         return plain
-    how = per_sample.facts.ghost if isinstance(per_sample, GradientTransformation) else None
+    how = _ghost_of(per_sample)
     if how is not None:  # fg.ghost_clip: from per-sample norms, no per-sample gradients
         return ghost_gradients(loss_fn, has_aux, *how)
     batched = vmapped_grads(loss_fn, has_aux, each=per_sample)
@@ -248,8 +253,7 @@ def _core(
         new, _, rest = compute(gradients, params, state, *args)
         return new + rest
 
-    ghost = isinstance(per_sample, GradientTransformation) and per_sample.facts.ghost is not None
-    scope = hooked if ghost else contextlib.nullcontext
+    scope = hooked if _ghost_of(per_sample) is not None else contextlib.nullcontext
     return _Core(gradients, compute, pure_step, donate, buffers, per_sample is not None, scope)
 
 
