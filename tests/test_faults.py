@@ -261,3 +261,38 @@ def test_two_threads_stepping_one_model_get_the_results_of_running_alone(donate)
     for i in range(2):
         assert_trees_close(got[i], want[i])
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_an_eager_step_swaps_the_sigint_handler_once(monkeypatch, donate):
+    """Ctrl-C is held for the whole eager step, with one handler swap in and one out:
+    fg.call's forward and the commit inside it hold nothing more (they swapped twice
+    each before). Outside a step, fg.call still holds it around its forward."""
+    swaps: list[object] = []
+    real = signal.signal
+
+    def counting(signum: int, handler: object) -> object:
+        if signum == signal.SIGINT:
+            swaps.append(handler)
+        return real(signum, handler)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    params = fg.params(model)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+
+    def loss(p: fg.Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (fg.call(model, p, x) - y).pow(2).mean()
+
+    tx = fg.adam(1e-2)
+    step = fg.make_step(loss, tx, donate=donate)
+    state = tx.init(params)
+    params, state, _ = step(params, state, x, y)  # the first call builds what it needs
+    monkeypatch.setattr(signal, "signal", counting)
+    for _ in range(3):
+        swaps.clear()
+        params, state, _ = step(params, state, x, y)
+        assert len(swaps) == 2, swaps
+    swaps.clear()
+    fg.call(model, params, x)
+    assert len(swaps) == 2, swaps

@@ -1,8 +1,10 @@
 """fg.Optimizer's eager step on torch's fused kernels (funcgrad/optim/_fused.py, issue
 "The drop-in at fused speed"): Adam, AdamW, SGD and Adagrad, alone or after rules, per param
 group, equal bit for bit to torch.optim's ``fused=True`` run with the same groups (the
-same kernels), in every floating dtype; every other case takes the general path, which
-the drop-in tests hold against torch.optim's default."""
+same kernels), in every floating dtype; RMSprop, Adamax, NAdam, RAdam, Adadelta and Rprop
+equal bit for bit to torch's ``foreach=True`` run (funcgrad/optim/_foreach.py) in
+float32 and float64; every other case takes the general path, which the drop-in tests
+hold against torch.optim's default."""
 
 from __future__ import annotations
 
@@ -126,6 +128,88 @@ def test_groups_equal_torch_fused_bit_for_bit(case, dtype, fused_calls):
     got = run(b, fg.Optimizer(split(b, **second), fg_opt(**kwargs)), dtype)
     assert_bitwise(got, want)
     assert len(fused_calls) == 2 * STEPS  # both groups, every step
+
+
+FOREACH_CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Any, dict[str, Any]]] = {
+    # the optimizers without a torch fused kernel: torch's foreach implementation
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2}, fg.rmsprop, {"lr": 3e-2, "alpha": 0.9}),
+    "rmsprop-centered-momentum-l2-maximize": (
+        torch.optim.RMSprop,
+        {"lr": 1e-2, "momentum": 0.9, "centered": True, "weight_decay": 0.1, "maximize": True},
+        fg.rmsprop,
+        {"momentum": 0.5, "weight_decay": 0.0, "eps": 1e-3},
+    ),
+    "adamax": (torch.optim.Adamax, {"lr": 1e-2, "weight_decay": 0.1}, fg.adamax, {"eps": 1e-3}),
+    "nadam": (torch.optim.NAdam, {"lr": 1e-2, "weight_decay": 0.1}, fg.nadam, {"lr": 3e-2}),
+    "nadam-decoupled": (
+        torch.optim.NAdam,
+        {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True},
+        fg.nadam,
+        {"momentum_decay": 1e-2},
+    ),
+    "radam": (
+        torch.optim.RAdam,
+        {"lr": 1e-2, "weight_decay": 0.1},
+        fg.radam,
+        {"betas": (0.8, 0.9)},
+    ),
+    "radam-decoupled": (
+        torch.optim.RAdam,
+        {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True},
+        fg.radam,
+        {"weight_decay": 0.0},
+    ),
+    "adadelta": (
+        torch.optim.Adadelta,
+        {"lr": 1.0, "weight_decay": 0.1, "maximize": True},
+        fg.adadelta,
+        {"rho": 0.5},
+    ),
+    "rprop": (torch.optim.Rprop, {"lr": 1e-2}, fg.rprop, {"lr": 3e-2, "etas": (0.3, 1.5)}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(FOREACH_CASES))
+def test_groups_equal_torch_foreach_bit_for_bit(case, dtype, fused_calls):
+    """Two param groups with their own values; NAdam's carried per-group mu_product
+    equals torch's per-parameter ones after the run."""
+    cls, kwargs, fg_opt, second = FOREACH_CASES[case]
+    a, b = net(dtype), net(dtype)
+    ta = cls(split(a, **second), **kwargs, foreach=True)
+    tb = fg.Optimizer(split(b, **second), fg_opt(**kwargs))
+    assert_bitwise(run(b, tb, dtype), run(a, ta, dtype))
+    assert len(fused_calls) == 2 * STEPS  # both groups, every step
+    fields = ("mu_product",) if case.startswith("nadam") else ()
+    for group, inner in zip(ta.param_groups, tb.tx_state.inner_states, strict=True):
+        for f in fields:
+            for p in group["params"]:
+                assert torch.equal(getattr(inner, f), ta.state[p][f]), (f, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_foreach_optimizers_take_the_general_path(dtype, fused_calls):
+    """torch's foreach RMSprop computes in the parameters' dtype, funcgrad in float32:
+    half-precision parameters keep funcgrad's arithmetic."""
+    model = net(dtype)
+    start = copy.deepcopy(model)
+    run(model, fg.Optimizer(model, fg.rmsprop(1e-2)), dtype)
+    assert fused_calls == []
+    assert any(
+        not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters(), strict=True)
+    )
+
+
+def test_rmsprop_momentum_set_to_zero_takes_the_general_path(fused_calls):
+    """RMSprop built with momentum whose group then writes momentum 0: torch skips the
+    buffer, funcgrad's kernel updates it; that step runs funcgrad's own kernel."""
+    model = net(torch.float64)
+
+    def before(i: int, m: nn.Module, opt: Any) -> None:
+        opt.param_groups[0]["momentum"] = 0.0 if i == 2 else 0.9
+
+    run(model, fg.Optimizer(model, fg.rmsprop(1e-2, momentum=0.9)), torch.float64, before)
+    assert fused_calls == ["fg.rmsprop"] * (STEPS - 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -269,7 +353,7 @@ def test_two_optimizers_interleaved(fused_calls):
     "make",
     [
         pytest.param(lambda: fg.adam(1e-2, eps_root=1e-8), id="eps_root"),
-        pytest.param(lambda: fg.rmsprop(1e-2), id="rmsprop"),
+        pytest.param(lambda: fg.lion(1e-3), id="lion"),
         pytest.param(lambda: fg.chain(fg.adam(1e-2), fg.identity()), id="optimizer-not-last"),
     ],
 )

@@ -5,6 +5,7 @@ import shared code from tests/references.py, never from one another."""
 from __future__ import annotations
 
 import ast
+import contextvars
 import importlib
 import pkgutil
 import threading
@@ -16,6 +17,7 @@ import funcgrad
 ROOT = Path(__file__).resolve().parents[1]
 MUTABLE = (
     threading.local,
+    contextvars.ContextVar,
     weakref.WeakKeyDictionary,
     weakref.WeakValueDictionary,
     weakref.WeakSet,

@@ -15,6 +15,7 @@ NamedTuples created while tracing. Both match dict entries by key, not by positi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,6 +73,11 @@ def copy_into(dst: Any, src: Any) -> None:
     _compat.tree_map(_copy, dst, src)
 
 
+# Whether sigint_held is in force in this context: a block inside another holds
+# nothing more (one handler swap in and one out per eager training step).
+_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("funcgrad_sigint_held", default=False)
+
+
 @contextlib.contextmanager
 def sigint_held() -> Iterator[None]:
     """Hold back SIGINT (Ctrl-C) until the block is done, then deliver it.
@@ -80,9 +86,10 @@ def sigint_held() -> Iterator[None]:
     default one raises ``KeyboardInterrupt``), ``SIG_DFL`` ends the process, ``SIG_IGN``
     drops it. Only the main thread receives signals in Python, and only it may set
     handlers; elsewhere, or under a handler installed outside Python (which could not
-    be put back), this holds nothing.
+    be put back), this holds nothing. Inside another such block it holds nothing more:
+    the outer one delivers.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or _HELD.get():
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
@@ -91,9 +98,11 @@ def sigint_held() -> Iterator[None]:
         return
     caught: list[tuple[int, Any]] = []
     signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    token = _HELD.set(True)
     try:
         yield
     finally:
+        _HELD.reset(token)
         signal.signal(signal.SIGINT, previous)
         if caught and callable(previous):
             previous(*caught[0])

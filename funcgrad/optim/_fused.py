@@ -16,6 +16,9 @@ as on every other path: the kernel reads the step's values as Python floats (one
 ``tolist()`` per group), and the state's ``count`` and ``hyperparams`` advance as
 the kernel path (funcgrad/optim/_kernel.py) advances them.
 
+RMSprop, Adamax, NAdam, RAdam, Adadelta and Rprop take the same road onto torch's
+foreach implementations (funcgrad/optim/_foreach.py), float32 and float64 only.
+
 Anything else takes the general path: a traced step (``torch.compile(opt.step)``),
 another optimizer, ``eps_root``, a tensor hyperparameter that carries a gradient,
 DTensors, sparse or complex tensors, a device without fused kernels, or a state not
@@ -35,6 +38,7 @@ from torch import Tensor
 from .._compat import compiling, fused_adagrad, fused_adam, fused_sgd
 from ..core._base import GradientTransformation, State
 from ..core._combine import ChainState, ParamGroupsState
+from . import _foreach
 from ._hparams import is_optimizer_state, mask_resolver, next_value, value64
 
 
@@ -88,7 +92,7 @@ def plan(full: GradientTransformation, state: State, names: Sequence[Sequence[st
     return Plan(chained is not None, prefix, tuple(groups), grouped)
 
 
-_KERNELS = ("fg.adam", "fg.adamw", "fg.sgd", "fg.adagrad")
+_KERNELS = ("fg.adam", "fg.adamw", "fg.sgd", "fg.adagrad", *_foreach.FOREACH)
 
 
 def _chained(state: State) -> list[State] | None:
@@ -118,7 +122,7 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
     states = list(opt_state.inner_states) if p.grouped else [opt_state]
     calls = []
     for g, s in zip(p.groups, states, strict=True):
-        call = _prepare(g, s, params)
+        call = _prepare(g, s, params, None if chained is not None else grads)
         if call is None:
             return None
         calls.append(call)
@@ -136,19 +140,24 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
     return _rechained(state, [*prefix_states, inner]) if chained is not None else inner
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _fits(t: Any, p: Tensor) -> bool:
-    """``t`` (a gradient or a moment) is a dense tensor shaped and typed as ``p``."""
+    """``t`` (a gradient or a moment) is a plain dense tensor shaped and typed as ``p``."""
     return (
-        isinstance(t, Tensor)
-        and t.dtype == p.dtype
-        and t.device == p.device
+        type(t) is Tensor
+        and t.dtype is p.dtype
         and t.shape == p.shape
-        and t.layout == torch.strided
+        and t.device == p.device
+        and t.layout is torch.strided
         and not t.requires_grad
     )
 
 
 def _slots(who: str, kwargs: Mapping[str, Any], s: Any) -> list[str]:
+    if who in _foreach.FOREACH:
+        return _foreach.FOREACH[who].slots(kwargs, s.hyperparams)
     if who == "fg.sgd":
         return ["momentum_buffer"] if "momentum" in s.hyperparams else []
     if who == "fg.adagrad":
@@ -156,9 +165,12 @@ def _slots(who: str, kwargs: Mapping[str, Any], s: Any) -> list[str]:
     return ["mu", "nu", "nu_max"] if kwargs.get("amsgrad") else ["mu", "nu"]
 
 
-def _prepare(g: _Group, s: Any, params: Mapping[str, Tensor]) -> tuple[Any, ...] | None:
-    """The group's slot tensors by name and its decay flags, or None where the state or
-    the parameters do not fit the fused kernels."""
+def _prepare(
+    g: _Group, s: Any, params: Mapping[str, Tensor], grads: Mapping[str, Tensor] | None
+) -> tuple[Any, ...] | None:
+    """The group's slot tensors by name and its names by (device, dtype, decays), or
+    None where the state, the parameters or the gradients (where given) do not fit the
+    fused kernels."""
     info = g.tx.facts.optimizer
     if (
         not is_optimizer_state(s)
@@ -172,21 +184,35 @@ def _prepare(g: _Group, s: Any, params: Mapping[str, Tensor]) -> tuple[Any, ...]
     for t in slots:
         if type(t) is not dict or t.keys() != names:
             return None
-    for n in g.names:
-        p = params[n]
-        if (
-            p.device.type not in ("cpu", "cuda")  # fused kernels
-            or not p.is_floating_point()
-            or p.layout != torch.strided
-            or hasattr(p, "placements")
-            or any(not _fits(t[n], p) for t in slots)
-        ):
-            return None
     hp = _leaves(s.hyperparams)
     if any(t.requires_grad for t in hp) or s.count.device != params[g.names[0]].device:
         return None
-    mine = {n: params[n] for n in g.names}
-    return slots, g.decays(mine) if "weight_decay" in s.hyperparams else {}
+    foreach = _foreach.FOREACH.get(info.who)
+    if foreach is not None and any(params[n].dtype not in _foreach.DTYPES for n in g.names):
+        return None  # funcgrad computes float16/bfloat16 in float32, torch's foreach does not
+    for f in foreach.carried if foreach is not None else ():
+        c = getattr(s, f)
+        if not isinstance(c, Tensor) or c.dim() != 0 or c.requires_grad:
+            return None
+    if foreach is not None and not _foreach.fits(info.who, s):
+        return None
+    decay = g.decays({n: params[n] for n in g.names}) if "weight_decay" in s.hyperparams else {}
+    buckets: dict[tuple[torch.device, torch.dtype, bool], list[str]] = {}
+    for n in g.names:
+        p = params[n]
+        if (
+            type(p) not in _PLAIN  # no DTensor or other subclass
+            or not (p.is_cpu or p.is_cuda)  # fused kernels
+            or not p.is_floating_point()
+            or p.layout != torch.strided
+            or (grads is not None and not _fits(grads[n], p))
+        ):
+            return None
+        for t in slots:
+            if not _fits(t[n], p):
+                return None
+        buckets.setdefault((p.device, p.dtype, decay.get(n, False)), []).append(n)
+    return slots, buckets
 
 
 def _leaves(hp: Mapping[str, Any]) -> list[Tensor]:
@@ -205,7 +231,7 @@ def _step(
 ) -> Any:
     info = g.tx.facts.optimizer
     kwargs = info.kwargs
-    slots, decay = call
+    slots, buckets = call
     count = s.count + 1
     hp = {k: value64(v, count) for k, v in s.hyperparams.items()}
     values = torch.stack([*_leaves(hp), s.count.to(torch.float64)]).tolist()
@@ -216,16 +242,19 @@ def _step(
         for k, e in hp.items()
     }
     wd = v.get("weight_decay", 0.0)
-    buckets: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
-    for i, n in enumerate(g.names):
-        p = params[n]
-        buckets.setdefault((p.device, p.dtype, decay.get(n, False)), []).append(i)
+    foreach = _foreach.FOREACH.get(info.who)
+    carried = {f: getattr(s, f) for f in foreach.carried} if foreach is not None else {}
     steps: dict[torch.device, Tensor] = {}
-    for (device, _, decays), idx in buckets.items():
-        ps = [params[g.names[i]] for i in idx]
-        gs = [grads[g.names[i]] for i in idx]
-        ss = [[slot[g.names[i]] for i in idx] for slot in slots]
+    for (device, _, decays), names in buckets.items():
+        ps = [params[n] for n in names]
+        gs = [grads[n] for n in names]
+        ss = [[slot[n] for n in names] for slot in slots]
         w = wd if decays else 0.0
+        if foreach is not None:
+            kept = list(carried.values())
+            new = _foreach.step(info.who, ps, gs, ss, kept, s.count, v, kwargs, w)
+            carried = dict(zip(carried, new, strict=True))  # equal in every bucket
+            continue
         if info.who == "fg.sgd":
             momentum = v.get("momentum", 0.0)  # 0.0 written to a group: plain SGD, as torch
             fused_sgd(
@@ -252,7 +281,7 @@ def _step(
             decoupled=decoupled,
         )  # fmt: skip
     after = {k: next_value(info.hyper[k], e, count) for k, e in s.hyperparams.items()}
-    return s._replace(count=count, hyperparams=after)
+    return s._replace(count=count, hyperparams=after, **carried)
 
 
 __all__ = ["Plan", "plan", "run"]

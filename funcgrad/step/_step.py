@@ -464,6 +464,10 @@ def _eager_step(
     per_thread = _PerThread()
 
     def run(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
+        with sigint_held():  # once for the step: fg.call's and commit's hold nothing more
+            return step(fresh, params, state, *args)
+
+    def step(fresh: bool, params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         scratch = per_thread.scratch
         grad_fn = gradients if fresh or fast is None else fast
         try:
