@@ -363,3 +363,10 @@ def test_every_public_function_is_in_the_api_reference():
         and f"::: funcgrad.{n}\n" not in text
     ]
     assert not missing, f"not in docs/api/*.md: {missing}"
+
+
+def test_the_readme_stays_under_150_lines():
+    """The README is the front page: what funcgrad is, the two commands, the box, links.
+    Figures and guides live in docs/ and benchmarks/README.md."""
+    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    assert len(lines) < 150, f"README.md has {len(lines)} lines: move the detail into docs/"
