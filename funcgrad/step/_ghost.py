@@ -32,21 +32,27 @@ signature; traced by ``torch.compile`` it is a forward whose results are unused.
 
 from __future__ import annotations
 
-import math
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vjp, vmap
+from torch.func import grad
 
 from .. import _compat
 from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import LossFn, Params, clip_factor
 from ._errors import PER_SAMPLE_BATCHNORM
+from ._ghost_layers import (
+    Call,
+    adopt_read_directly,
+    broadcast_lead,
+    float_leaves,
+    layer_of,
+    module_path,
+    report_fallbacks,
+)
 
 Shapes = list[list[tuple[tuple[int, ...], torch.dtype]]]
 """The tapped modules' floating output shapes and dtypes, one list per call, in order."""
@@ -65,30 +71,12 @@ class _Tap(threading.local):
         self.owners: list[str] = []  # the probe's calls: each module's path
         self.zs: Sequence[Tensor] = ()
         self.used = 0
-        self.calls: list[_Call] | None = None
+        self.calls: list[Call] | None = None
         self.shared: Sequence[bool] = ()
         self.batch = 0
 
 
 _TAP = _Tap()
-
-
-class _Call:
-    """One call of a module that owns trained parameters, recorded by the tap pass."""
-
-    def __init__(
-        self, module: nn.Module, names: dict[str, str], args: Any, kwargs: Any, n_out: int
-    ) -> None:
-        self.module, self.names, self.args, self.kwargs, self.n_out = (
-            module, names, args, kwargs, n_out,
-        )  # fmt: skip
-        self.grads: list[Tensor] = []  # the output leaves' gradients, filled after the pass
-        # For a module without a rule of its own (_Vmapped): the tensors its subtree ran
-        # with (functional_call puts the module's own back after the pass).
-        self.state: dict[str, Tensor] = {}
-        self.shared = False  # called without the batch (a positional embedding on arange)
-        self.leaves: list[Any] = []  # (args, kwargs) flattened, while torch.func unwraps
-        self.spec: Any = None
 
 
 class _Installed:
@@ -141,27 +129,6 @@ def _trained(module: nn.Module) -> dict[str, str]:
     return out
 
 
-def _module_path(names: dict[str, str]) -> str:
-    """The module's path in the model (``""`` for the root) from its trained parameters'
-    own name -> full name; the first entry is one of its own (``_trained``)."""
-    own, full = next(iter(names.items()))
-    return full[: len(full) - len(own)].rstrip(".")
-
-
-def _broadcast_lead(shapes: Sequence[tuple[int, ...]]) -> bool:
-    """Whether a shared call's outputs all lead with a dimension of 1 (a positional
-    embedding on ``arange(T)[None]``: ``(1, T, d)``, added to the batch's ``(B, T, d)``).
-    That dimension is where the batch broadcasts, so the batch goes there, ``(B, T, d)``,
-    rather than in front of it (``(B, 1, T, d)``, which the addition would broadcast to
-    ``(B, B, T, d)``); its output gradients get the 1 back (``(B, 1, T, d)``)."""
-    return bool(shapes) and all(len(s) > 0 and s[0] == 1 for s in shapes)
-
-
-def _float_leaves(output: Any) -> tuple[list[Any], Any]:
-    """A module's output as leaves (torch's pytree, which dynamo traces) and its spec."""
-    return tree_flatten(output)
-
-
 def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
     mode = _TAP.mode
     if mode is None:
@@ -171,16 +138,16 @@ def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         return None
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
         raise RuntimeError(f"fg.ghost_clip: {PER_SAMPLE_BATCHNORM}")
-    leaves, spec = _float_leaves(output)
+    leaves, spec = float_leaves(output)
     slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
     if mode == "probe":
         assert _TAP.shapes is not None
         index = len(_TAP.shapes)
         _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
-        _TAP.owners.append(_module_path(names))
+        _TAP.owners.append(module_path(names))
         if index < len(_TAP.shared) and _TAP.shared[index]:  # as the tap pass will: batched
             new = list(leaves)
-            lead = _broadcast_lead([tuple(leaves[i].shape) for i in slots])
+            lead = broadcast_lead([tuple(leaves[i].shape) for i in slots])
             for i in slots:
                 shape = leaves[i].shape[1:] if lead else leaves[i].shape
                 new[i] = leaves[i].expand(_TAP.batch, *shape)
@@ -192,9 +159,9 @@ def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
     for i in slots:  # a call without the batch (shared by the samples) gets it here
         new[i] = leaves[i] + _TAP.zs[_TAP.used]
         _TAP.used += 1
-    call = _Call(module, names, args, kwargs, len(slots))
+    call = Call(module, names, args, kwargs, len(slots))
     call.shared = shared
-    call.state = {  # a module in _RULES may still need it: see _layer
+    call.state = {  # a module in _RULES may still need it: see layer_of
         **dict(module.named_parameters(remove_duplicate=False)),
         **dict(module.named_buffers(remove_duplicate=False)),
     }
@@ -350,7 +317,7 @@ def _refuse_prepended(
     not the model's own from deep inside it."""
     for i, on in enumerate(settled):
         if on and i < len(plan) and i < len(owners):
-            if not _broadcast_lead([s for s, _ in plan[i][0]]):
+            if not broadcast_lead([s for s, _ in plan[i][0]]):
                 raise ValueError(
                     f"fg.ghost_clip: the module '{owners[i]}' runs without the batch (its "
                     f"output {plan[i][0][0][0]} is the same for every sample, and has no "
@@ -361,332 +328,6 @@ def _refuse_prepended(
                     "per_sample=fg.clip_by_global_norm(max_norm) for this model (the vmap "
                     "path), or freeze that module's parameters."
                 ) from err
-
-
-# -- per module type: norms and weighted sums from inputs a and output gradients b --
-
-
-class _Layer:
-    """The per-sample gradients of one call's trained parameters, from what it saw.
-
-    ``norms2()``: each parameter's per-sample squared norm ``[B]``; ``weighted(w)``:
-    ``sum_i w_i g_i``; ``per_sample()``: ``[B, *shape]`` (for parameters reached by
-    several calls). Parameters are keyed by their names in ``params``."""
-
-    def __init__(self, call: _Call, n: int) -> None:
-        self.call, self.n = call, n
-        self._formed: dict[str, Tensor] | None = None
-
-    def _once(self) -> dict[str, Tensor]:
-        if self._formed is None:
-            self._formed = self.per_sample()
-        return self._formed
-
-    def norms2(self) -> dict[str, Tensor]:
-        return {k: g.flatten(1).square().sum(1) for k, g in self._once().items()}
-
-    def weighted(self, w: Tensor) -> dict[str, Tensor]:
-        return {k: torch.tensordot(w, g, dims=1) for k, g in self._once().items()}
-
-    def per_sample(self) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-
-class _Matmul(_Layer):
-    """``out = a @ W^T + bias`` over positions: Linear, and convolutions unfolded."""
-
-    def __init__(
-        self, call: _Call, n: int, a: Tensor, b: Tensor, shape: torch.Size, t: bool = False
-    ) -> None:
-        super().__init__(call, n)
-        self.a, self.b, self.shape = a, b, shape  # a [B, T, in], b [B, T, out]
-        self.t = t  # the weight is stored [in, out] (Hugging Face's Conv1D: a @ W + bias)
-        self.g: Tensor | None = None  # the per-sample weight gradients, once formed
-
-    def _w(self) -> str | None:
-        return self.call.names.get("weight")
-
-    def _bias(self) -> str | None:
-        return self.call.names.get("bias")
-
-    def _per_sample_weight(self) -> Tensor:
-        if self.g is None:  # [B, out, in], or [B, in, out] for a weight stored that way
-            a, b = self.a, self.b
-            self.g = torch.bmm(a.transpose(1, 2), b) if self.t else torch.bmm(b.transpose(1, 2), a)
-        return self.g
-
-    def norms2(self) -> dict[str, Tensor]:
-        a, b = self.a, self.b
-        out: dict[str, Tensor] = {}
-        if (w := self._w()) is not None:
-            t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
-            if t == 1:  # rank one: |a|^2 |b|^2
-                out[w] = a.square().sum((1, 2)) * b.square().sum((1, 2))
-            elif t * (d_in + d_out) <= d_in * d_out:  # Gram form, B T^2 (in + out)
-                out[w] = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum(
-                    (1, 2)
-                )
-            else:  # the per-sample matrix, B T in out (kept for the weighted sum)
-                out[w] = self._per_sample_weight().square().sum((1, 2))
-        if (k := self._bias()) is not None:
-            out[k] = b.sum(1).square().sum(1)
-        return out
-
-    def weighted(self, w: Tensor) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        if (k := self._w()) is not None:
-            if self.g is not None:  # formed for the norm: B out in, not B T out in
-                g = torch.tensordot(w, self.g, dims=1)
-            else:
-                bw = (self.b * w[:, None, None]).reshape(-1, self.b.shape[2])
-                a = self.a.reshape(-1, self.a.shape[2])
-                g = a.t() @ bw if self.t else bw.t() @ a
-            out[k] = g.reshape(self.shape)
-        if (k := self._bias()) is not None:
-            out[k] = torch.tensordot(w, self.b.sum(1), dims=1)
-        return out
-
-    def per_sample(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        if (k := self._w()) is not None:
-            out[k] = self._per_sample_weight().reshape(self.n, *self.shape)
-        if (k := self._bias()) is not None:
-            out[k] = self.b.sum(1)
-        return out
-
-
-class _GroupedConv(_Layer):
-    """A convolution's per-sample weight gradients as one grouped convolution backward
-    (the samples as groups): on the CPU faster than unfolding where the unfolded rows
-    are long (``Cin * kernel >= 64``), slower where they are short."""
-
-    def __init__(self, call: _Call, n: int, x: Tensor, b: Tensor) -> None:
-        super().__init__(call, n)
-        self.x, self.b = x, b
-
-    def per_sample(self) -> dict[str, Tensor]:
-        m = self.call.module
-        assert isinstance(m, (nn.Conv1d, nn.Conv2d))
-        n, weight = self.n, self.call.state["weight"]
-        x = self.x.reshape(1, n * self.x.shape[1], *self.x.shape[2:])
-        go = self.b.reshape(1, n * self.b.shape[1], *self.b.shape[2:])
-        wg = weight.repeat(n, *([1] * (weight.dim() - 1)))
-        g = torch.ops.aten.convolution_backward(
-            go, x, wg, None, list(m.stride), list(m.padding), list(m.dilation), False,
-            [0] * (weight.dim() - 2), n, [False, True, False],
-        )[1]  # fmt: skip
-        out = {self.call.names["weight"]: g.reshape(n, *weight.shape)}
-        if (k := self.call.names.get("bias")) is not None:
-            out[k] = self.b.flatten(2).sum(2)
-        return out
-
-
-class _Embedding(_Layer):
-    def __init__(self, call: _Call, n: int, idx: Tensor, b: Tensor) -> None:
-        super().__init__(call, n)
-        m = call.module
-        assert isinstance(m, nn.Embedding)
-        self.idx, self.b = idx.reshape(n, -1), b.reshape(n, -1, b.shape[-1])
-        self.rows = m.num_embeddings
-        if m.padding_idx is not None:  # torch gives the padding row no gradient
-            self.b = self.b * (self.idx != m.padding_idx).unsqueeze(-1).to(self.b.dtype)
-
-    def norms2(self) -> dict[str, Tensor]:
-        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(self.b.dtype)
-        n2 = (same * (self.b @ self.b.transpose(1, 2))).sum((1, 2))
-        return {self.call.names["weight"]: n2}
-
-    def weighted(self, w: Tensor) -> dict[str, Tensor]:
-        rows = (self.b * w[:, None, None]).reshape(-1, self.b.shape[-1])
-        g = torch.zeros(self.rows, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        return {self.call.names["weight"]: g.index_add(0, self.idx.reshape(-1), rows)}
-
-    def per_sample(self) -> dict[str, Tensor]:
-        d = self.b.shape[-1]
-        offset = torch.arange(self.n, device=self.idx.device).unsqueeze(1) * self.rows
-        g = torch.zeros(self.n * self.rows, d, dtype=self.b.dtype, device=self.b.device)
-        g = g.index_add(0, (self.idx + offset).reshape(-1), self.b.reshape(-1, d))
-        return {self.call.names["weight"]: g.reshape(self.n, self.rows, d)}
-
-
-class _Affine(_Layer):
-    """Normalization layers: ``out = xhat * weight + bias``, per-sample gradients small
-    (``[B, *normalized_shape]``): formed from ``xhat`` and ``b``."""
-
-    def __init__(self, call: _Call, n: int, xhat: Tensor, b: Tensor, dims: tuple[int, ...]):
-        super().__init__(call, n)
-        self.xhat, self.b, self.dims = xhat, b, dims  # dims: summed over (not the batch)
-
-    def per_sample(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        if (k := self.call.names.get("weight")) is not None:
-            out[k] = (self.b * self.xhat).sum(self.dims) if self.dims else self.b * self.xhat
-        if (k := self.call.names.get("bias")) is not None:
-            out[k] = self.b.sum(self.dims) if self.dims else self.b
-        return out
-
-
-class _Vmapped(_Layer):
-    """Any other module: its own parameters' per-sample gradients by ``vmap`` of a
-    ``vjp`` of the module alone, sample by sample (the module's children held fixed)."""
-
-    def per_sample(self) -> dict[str, Tensor]:
-        call = self.call
-        own = {o: call.state[o] for o in call.names}
-        rest = {k: t for k, t in call.state.items() if k not in own}
-        pair: Any = (call.args, call.kwargs)
-        arg_leaves: list[Any]
-        arg_leaves, arg_spec = tree_flatten(pair)
-        batched = [  # a shared call (no batch) runs as it was for every sample
-            not call.shared and isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == self.n
-            for t in arg_leaves
-        ]
-
-        def one(mp: dict[str, Tensor], cot: list[Tensor], *xs: Any) -> dict[str, Tensor]:
-            it = iter(xs)
-            leaves = [
-                next(it).unsqueeze(0) if isb else t
-                for t, isb in zip(arg_leaves, batched, strict=True)
-            ]
-            rebuilt: Any = tree_unflatten(leaves, arg_spec)
-            args, kwargs = rebuilt
-
-            def f(p: dict[str, Tensor]) -> list[Tensor]:
-                out = functional_call(call.module, {**rest, **p}, tuple(args), kwargs)
-                outs, _ = _float_leaves(out)
-                return [t for t in outs if isinstance(t, Tensor) and t.is_floating_point()]
-
-            back = vjp(f, mp)[1]
-            (g,) = back([c if call.shared else c.unsqueeze(0) for c in cot])
-            return g  # type: ignore[no-any-return]
-
-        xs = [t for t, isb in zip(arg_leaves, batched, strict=True) if isb]
-        in_dims = (None, 0) + (0,) * len(xs)
-        g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, *xs)
-        return {call.names[o]: v for o, v in g.items()}
-
-
-def _adopt_read_directly(calls: list[_Call], params: Params) -> None:
-    """A trained parameter that no call of its own module reached, read directly by an
-    ancestor that was called (``nn.MultiheadAttention`` reads ``out_proj.weight``
-    without calling ``out_proj``): the smallest such ancestor's call takes it, and
-    its per-sample gradients come from the vmap of that module (:class:`_Vmapped`)."""
-    reached = {name for c in calls for name in c.names.values()}
-    for name, t in params.items():
-        if name in reached:
-            continue
-        best: tuple[int, _Call, str] | None = None
-        for c in calls:
-            for key, v in c.state.items():
-                if v is t and (best is None or len(c.state) < best[0]):
-                    best = (len(c.state), c, key)
-        if best is not None:
-            best[1].names[best[2]] = name
-
-
-FALLBACK_SHARE = 0.5
-"""The share of the trained parameters from which a vmap fallback is reported."""
-
-
-def _report_fallbacks(layers: list[_Layer], params: Params, told: set[str]) -> None:
-    """Warn once per module (per ghost step) where a vmap fallback reruns a subtree
-    holding at least ``FALLBACK_SHARE`` of the trained parameters (a root module that
-    owns a parameter, such as a ViT's ``cls_token``, makes the whole model the
-    fallback): the ghost step then costs about what the vmap path costs."""
-    total = sum(p.numel() for p in params.values()) or 1
-    trained = {id(p) for p in params.values()}
-    for layer in layers:
-        if not isinstance(layer, _Vmapped):
-            continue
-        call = layer.call
-        covered = sum(t.numel() for t in call.state.values() if id(t) in trained)
-        module = _module_path(call.names)
-        if covered / total < FALLBACK_SHARE or module in told:
-            continue
-        told.add(module)
-        where = f"module '{module}'" if module else "the root module"
-        warnings.warn(
-            f"fg.ghost_clip: the vmap fallback for {where} ({type(call.module).__name__}, "
-            f"which owns {sorted(call.names)} and has no per-sample rule) reruns a "
-            f"subtree holding {covered / total:.0%} of the trained parameters for every "
-            "sample, so this ghost step costs about what the vmap path costs. Move those "
-            "parameters into a module of their own (an nn.Embedding, a small module "
-            "adding them) or freeze them to keep the ghost cost.",
-            stacklevel=2,
-        )
-
-
-def _layer(call: _Call, n: int) -> _Layer:
-    """The fastest exact rule for this call's module (else :class:`_Vmapped`)."""
-    m, args = call.module, call.args
-    x = args[0] if len(args) == 1 and not call.kwargs and isinstance(args[0], Tensor) else None
-    only = set(call.names) <= {"weight", "bias"}
-    if x is None or not only or call.n_out != 1:
-        return _Vmapped(call, n)
-    b = call.grads[0]
-    if call.shared:  # what each sample saw: the same input
-        x = x.expand(n, *x.shape)
-    if type(m) is nn.Linear or _hf_conv1d(m):
-        weight = m._parameters["weight"]
-        assert weight is not None
-        return _Matmul(call, n, x.reshape(n, -1, x.shape[-1]), b.reshape(n, -1, b.shape[-1]),
-                       weight.shape, t=type(m) is not nn.Linear)  # fmt: skip
-    if (
-        isinstance(m, (nn.Conv1d, nn.Conv2d))
-        and type(m) in (nn.Conv1d, nn.Conv2d)
-        and _unfoldable(m)
-    ):
-        if m.in_channels * math.prod(m.kernel_size) >= 64:
-            return _GroupedConv(call, n, x, b)
-        two = type(m) is nn.Conv2d
-        xx = x if two else x.unsqueeze(2)
-
-        def pair(v: Any, flat: int) -> tuple[int, int]:
-            return (int(v[0]), int(v[1])) if two else (flat, int(v[0]))
-
-        cols = F.unfold(
-            xx, pair(m.kernel_size, 1), dilation=pair(m.dilation, 1),
-            padding=pair(m.padding, 0), stride=pair(m.stride, 1),
-        )  # fmt: skip  # [B, Cin k, L]
-        return _Matmul(call, n, cols.transpose(1, 2), b.reshape(n, b.shape[1], -1).transpose(1, 2),
-                       m.weight.shape)  # fmt: skip
-    if type(m) is nn.Embedding and not (m.max_norm or m.scale_grad_by_freq or m.sparse):
-        return _Embedding(call, n, x, b)
-    # Normalization layers: the normalized input from torch's own kernel (the module's
-    # forward without its affine part), then the affine part's per-sample gradients.
-    if type(m) is nn.LayerNorm and m.elementwise_affine:
-        k = len(m.normalized_shape)
-        xhat = F.layer_norm(x, m.normalized_shape, None, None, m.eps)
-        return _Affine(call, n, xhat, b, tuple(range(1, x.dim() - k)))
-    if type(m) is nn.RMSNorm and m.elementwise_affine:
-        k = len(m.normalized_shape)
-        xhat = F.rms_norm(x, m.normalized_shape, None, m.eps)
-        return _Affine(call, n, xhat, b, tuple(range(1, x.dim() - k)))
-    if type(m) is nn.GroupNorm and m.affine and x.dim() >= 2:
-        xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
-        return _Affine(call, n, xhat, b, tuple(range(2, x.dim())))
-    return _Vmapped(call, n)
-
-
-def _hf_conv1d(m: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2's projections): ``addmm(bias, x, weight)`` with the
-    weight stored ``[in, out]``, a Linear with the weight transposed. Known by its class
-    (transformers is not imported for it) and checked by its shapes."""
-    cls = type(m)
-    w, bias = m._parameters.get("weight"), m._parameters.get("bias")
-    return (
-        cls.__name__ == "Conv1D"
-        and cls.__module__ == "transformers.pytorch_utils"
-        and w is not None
-        and bias is not None
-        and w.dim() == 2
-        and tuple(w.shape) == (getattr(m, "nx", None), getattr(m, "nf", None))
-        and tuple(bias.shape) == (w.shape[1],)
-    )
-
-
-def _unfoldable(m: nn.Conv1d | nn.Conv2d) -> bool:
-    return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
 
 
 def ghost_gradients(
@@ -715,7 +356,7 @@ def ghost_gradients(
                 "per_sample=fg.clip_by_global_norm(max_norm) for this loss."
             )
         first = next(iter(params.values()))
-        lead = [sh and _broadcast_lead([s for s, _ in leaves]) for leaves, sh in shapes]
+        lead = [sh and broadcast_lead([s for s, _ in leaves]) for leaves, sh in shapes]
         zs = [
             torch.zeros(
                 (n, *s[1:]) if lead[c] else (n, *s) if shared else s, dtype=dt, device=first.device
@@ -723,7 +364,7 @@ def ghost_gradients(
             for c, (leaves, shared) in enumerate(shapes)
             for s, dt in leaves
         ]
-        calls: list[_Call] = []
+        calls: list[Call] = []
 
         def tapped(zs: list[Tensor]) -> Any:
             with _Passing("tap", list(params.items()), n) as tap:
@@ -759,10 +400,10 @@ def ghost_gradients(
             c.grads = [next(it) for _ in range(c.n_out)]
             if lead_c:  # (B, T, d) -> (B, 1, T, d): each sample's gradient of (1, T, d)
                 c.grads = [g.unsqueeze(1) for g in c.grads]
-        _adopt_read_directly(calls, params)
-        layers = [_layer(c, n) for c in calls]
+        adopt_read_directly(calls, params)
+        layers = [layer_of(c, n) for c in calls]
         if not compiling():
-            _report_fallbacks(layers, params, told)
+            report_fallbacks(layers, params, told)
         reached: dict[str, int] = {}
         for c in calls:
             for name in c.names.values():

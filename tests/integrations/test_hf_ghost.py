@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import funcgrad as fg
-from funcgrad.step import _ghost
+from funcgrad.step import _ghost, _ghost_layers
 from funcgrad.step._ghost import ghost_gradients
 
 C = 0.5
@@ -74,8 +74,10 @@ def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
     projections as transposed Linears) but Llama's own RMSNorm, which falls back to a
     vmap over that module alone (a small one)."""
     taken = []
-    real = _ghost._layer
-    monkeypatch.setattr(_ghost, "_layer", lambda call, n: taken.append(real(call, n)) or taken[-1])
+    real = _ghost.layer_of
+    monkeypatch.setattr(
+        _ghost, "layer_of", lambda call, n: taken.append(real(call, n)) or taken[-1]
+    )
     m = model(kind)
     loss = loss_of(kind, m)
     params = {k: v.detach() for k, v in m.named_parameters()}
@@ -88,7 +90,9 @@ def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
         torch.testing.assert_close(p[k] - new[k], ghost[k], rtol=1e-10, atol=1e-12, msg=k)
     assert any(g.abs().max() > 0 for g in ghost.values())
     fallbacks = [
-        type(layer.call.module).__name__ for layer in taken if isinstance(layer, _ghost._Vmapped)
+        type(layer.call.module).__name__
+        for layer in taken
+        if isinstance(layer, _ghost_layers.Vmapped)
     ]
     assert taken and set(fallbacks) == ({"LlamaRMSNorm"} if kind == "llama" else set())
 
