@@ -95,16 +95,16 @@ def eager(layers: int, width: int) -> dict[str, float]:
     first = time.perf_counter() - t
     # The same step with every call's gradients through torch.func (as before the
     # eager autograd path): what that path saves, side by side.
-    autograd_path = fg_internal_step._autograd_gradients
-    fg_internal_step._autograd_gradients = (  # type: ignore[assignment]
-        lambda loss_fn, has_aux, buffers: fg_internal_step._gradients(
+    autograd_path = fg_internal_step.autograd_gradients
+    fg_internal_step.autograd_gradients = (  # type: ignore[assignment]
+        lambda loss_fn, has_aux, buffers: fg_internal_step.gradient_function(
             loss_fn, has_aux, None, buffers
         )
     )
     try:
         func_step, func_params, func_state = fg_step(model(layers, width), compile=False)
     finally:
-        fg_internal_step._autograd_gradients = autograd_path
+        fg_internal_step.autograd_gradients = autograd_path
     func_step(func_params, func_state, x, y)  # as many steps as `step` has taken
     number = max(1, 200 // layers)
     t = interleaved(

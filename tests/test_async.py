@@ -1,6 +1,6 @@
 """fg.make_step(compile="async"): eager steps while the compiled step builds in a
 background thread, then the compiled step; against compile=True's run and the eager
-step (funcgrad/step/_step.py, _Background)."""
+step (funcgrad/step/_async.py, Background)."""
 
 from __future__ import annotations
 

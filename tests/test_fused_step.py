@@ -436,11 +436,11 @@ def test_state_dict_after_fused_steps_resumes(fused_calls):
 
 
 def test_the_traced_state_is_written_in_place_only_where_that_keeps_the_values():
-    """torch_optim._written_into (what a traced opt.step does with the new state): the
+    """torch_optim._core.written_into (what a traced opt.step does with the new state): the
     old tensors take the new values, unless one old tensor sits at two places, an old
     tensor is a parameter, or the structure changed; then the new state is the state
     and nothing old is written."""
-    from funcgrad.torch_optim import _written_into
+    from funcgrad.torch_optim._core import written_into as _written_into
 
     p = torch.zeros(2)
     a, b = torch.zeros(2), torch.zeros(3)

@@ -550,7 +550,7 @@ def test_compiled_opt_step_writes_the_state_in_place_and_equals_eager(name):
     """torch.compile(opt.step) (dynamo's eager backend: the traced step, cheaply) for
     every optimizer: the eager fg.Optimizer's values over 5 steps and the same state
     tensors after each step (the traced step copies the new state into the old,
-    torch_optim._written_into)."""
+    torch_optim._core.written_into)."""
     x, y = mlp_data()
     runs, held = [], []
     torch._dynamo.reset()  # (fg.Optimizer.step's frames of the other cases: the cache limit)
