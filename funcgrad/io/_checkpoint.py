@@ -28,6 +28,7 @@ from ..core._base import GradientTransformation, Params, State, check_floating, 
 from ..core._flat import layout_of, like
 from ..core._tree import commit, names_mismatch
 from ..distributed import _checkpoint as dckpt
+from ..distributed._files import write_atomic
 from ..distributed._sharded import ShardedState
 from ._state_dict import load_state_dict, state_dict
 
@@ -124,7 +125,7 @@ def save_checkpoint(path: str | os.PathLike[str], params: Any, state: Any, **ext
             "create it first."
         )
     blob = _MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
-    dckpt.write_atomic(target, blob)
+    write_atomic(target, blob)
 
 
 def _read(path: Path) -> dict[str, Any]:

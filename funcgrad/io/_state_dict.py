@@ -22,14 +22,14 @@ from torch import Tensor
 from ..core._base import GradientTransformation, Params, State, params_device
 from ..core._invariants import check_invariants
 from ..core._tree import flatten, names_mismatch
-from ..distributed._checkpoint import (
+from ..distributed._sharded import ShardedState
+from ..distributed._whole import (
     checkpoint_view,
     contains_sharded,
     copied_dtensor,
     full_tensors,
     whole_template,
 )
-from ..distributed._sharded import ShardedState
 from ..optim._param_groups import optimizers_in
 
 _PLAIN = (bool, int, float, str)
