@@ -22,8 +22,9 @@ without one (a single process), everything runs locally.
 
 A sharded state's rows are saved whole. A state split in flat chunks is saved the same
 way (each piece gathered whole, then cut into this rank's rows), so a checkpoint does
-not depend on the split. In funcgrad/distributed/_whole.py, ``checkpoint_view`` turns a ``ShardedState``'s row-split
-leaves into ``DTensor``s of their whole shapes for ``torch.distributed.checkpoint``
+not depend on the split. In funcgrad/distributed/_whole.py, ``checkpoint_view`` turns
+a ``ShardedState``'s row-split leaves into ``DTensor``s of their whole shapes for
+``torch.distributed.checkpoint``
 (``fg.state_dict``); ``whole_template`` gives ``fg.load_state_dict`` the whole
 shapes to check a checkpoint against, and the function that cuts the loaded whole
 state back to this rank's rows, so a checkpoint saved on 2 ranks loads on 3, or in one

@@ -20,8 +20,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
-from funcgrad.distributed import _whole as _shard_checkpoint
 from funcgrad.distributed import _sharded as _shard
+from funcgrad.distributed import _whole as _shard_checkpoint
 from funcgrad.rules import _rule_base
 from workers.dist_workers import destroy, spawn
 
