@@ -1,6 +1,6 @@
-"""One optimizer kernel, three ways to run it (funcgrad/optim/_kernel.py): tensor by
-tensor out of place (traced, transformed), over lists with ``torch._foreach_*``
-(eager), and into borrowed buffers (large CPU tensors of the donated eager step).
+"""One optimizer kernel, three ways to run it (funcgrad/optim/_kernel.py, its operations
+in funcgrad/optim/_ops.py): tensor by tensor out of place (traced, transformed), over
+lists with ``torch._foreach_*`` (eager), and into borrowed buffers (large CPU tensors of the donated eager step).
 Every elementwise optimizer, every dtype: the same bits on every path, against the
 per-tensor loop that ``torch.compile`` traces (itself tested against torch.optim in
 tests/test_optimizers.py and tests/test_adam.py)."""
@@ -16,7 +16,7 @@ from references import adam_grads_at, adam_params
 
 import funcgrad as fg
 from funcgrad.core import _scratch
-from funcgrad.optim import _kernel
+from funcgrad.optim import _kernel, _ops
 
 MASK = {"a.weight": True, "a.bias": False, "b.weight": True, "scalar": False, "f64": True}
 SCHEDULE = fg.cosine_decay(0.05, 10)
@@ -58,6 +58,7 @@ def _run(make, dtype, mode, monkeypatch, scratch):
     """10 steps of ``make()`` on mixed-dtype parameters, on the path ``mode`` names."""
     monkeypatch.setattr(_kernel, "composing", lambda *inputs: mode == "loop")
     monkeypatch.setattr(_kernel, "BIG", 0 if mode == "borrowed" else _scratch.BIG)
+    monkeypatch.setattr(_ops, "BIG", 0 if mode == "borrowed" else _scratch.BIG)
     params = adam_params(dtype)
     params["f64"] = torch.linspace(-1, 1, 7, dtype=torch.float64)  # a second dtype
     tx = make()
@@ -94,13 +95,13 @@ def test_lists_and_borrowed_buffers_equal_the_per_tensor_loop_bit_for_bit(name, 
     make = OPTIMIZERS[name]
     scratch = _scratch.Scratch()
     calls = {"lists": 0}
-    mul = _kernel.Lists.mul
+    mul = _ops.Lists.mul
 
     def counted(self, a, b):
         calls["lists"] += 1
         return mul(self, a, b)
 
-    monkeypatch.setattr(_kernel.Lists, "mul", counted)
+    monkeypatch.setattr(_ops.Lists, "mul", counted)
     want = _run(make, dtype, "loop", monkeypatch, scratch)
     assert calls["lists"] == 0 and not scratch.free
     _assert_same_bits(_run(make, dtype, "lists", monkeypatch, scratch), want, "lists")
@@ -150,7 +151,7 @@ def test_each_list_operation_equals_the_plain_one(op, scalar):
     xs = [torch.randn(s, generator=g) for s in [(3,), (2, 4), ()]]
     ys = [torch.rand(s, generator=g) + 0.5 for s in [(3,), (2, 4), ()]]
     c: object = {"float": 0.3, "tensor": torch.tensor(0.3)}.get(scalar.split("-")[0], ys)
-    plain, lists = _kernel.PLAIN, _kernel.LISTS
+    plain, lists = _ops.PLAIN, _ops.LISTS
 
     def both(*args):
         per = [
@@ -186,9 +187,9 @@ def test_in_place_list_operations_write_their_first_argument(op, other):
     plain = [getattr(torch, op[:-1])(x, b if not isinstance(b, list) else b[i])
              for i, x in enumerate(xs)]  # fmt: skip
     before = [x.clone() for x in xs]
-    kept = getattr(_kernel.PLAIN, op)(xs[0], b if not isinstance(b, list) else b[0])
+    kept = getattr(_ops.PLAIN, op)(xs[0], b if not isinstance(b, list) else b[0])
     assert torch.equal(xs[0], before[0]) and torch.equal(kept, plain[0])
-    got = getattr(_kernel.LISTS, op)(xs, b)
+    got = getattr(_ops.LISTS, op)(xs, b)
     assert got is xs
     for a, want in zip(got, plain, strict=True):
         assert torch.equal(a, want)
