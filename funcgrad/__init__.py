@@ -51,10 +51,10 @@ from .optim._adamax import AdamaxState as AdamaxState
 from .optim._adamax import adamax as adamax
 from .optim._asgd import ASGDState as ASGDState
 from .optim._asgd import asgd as asgd
-from .optim._hparams import get_hyperparams as get_hyperparams
-from .optim._hparams import get_lr as get_lr
-from .optim._hparams import set_hyperparams as set_hyperparams
-from .optim._hparams import set_lr as set_lr
+from .optim._get_set import get_hyperparams as get_hyperparams
+from .optim._get_set import get_lr as get_lr
+from .optim._get_set import set_hyperparams as set_hyperparams
+from .optim._get_set import set_lr as set_lr
 from .optim._lbfgs import LBFGSState as LBFGSState
 from .optim._lbfgs import lbfgs as lbfgs
 from .optim._lion import LionState as LionState

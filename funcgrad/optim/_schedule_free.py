@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..core._base import GradientTransformation, Params
 from ..core._invariants import invariants
+from ._get_set import optimizer_states
 from ._hparams import (
     DecayMask,
     Hyper,
@@ -32,7 +33,6 @@ from ._hparams import (
     hyperparameters,
     off_if_zero,
     optimizer,
-    optimizer_states,
     scalar,
 )
 from ._kernel import Entry, elementwise

@@ -29,10 +29,7 @@ from torch import Tensor, nn
 from ..core._base import GradientTransformation, State, require_transformation
 from ..io._state_dict import load, state_dict
 from ..optim import _schedule_free
-from ..optim._hparams import (
-    get_hyperparams,
-    optimizer_states,
-)
+from ..optim._get_set import get_hyperparams, optimizer_states
 from ..optim._param_groups import optimizers_in
 from ._core import Core
 

@@ -20,14 +20,8 @@ from ..core._combine import ParamGroupsState
 from ..core._tree import tree_map
 from ..core._vector import flat_vector, unflatten
 from ..optim import _fused
-from ..optim._hparams import (
-    get_hyperparams,
-    is_optimizer_state,
-    is_schedule,
-    optimizer_states,
-    walk_states,
-    with_optimizer_states,
-)
+from ..optim._get_set import get_hyperparams, optimizer_states, walk_states, with_optimizer_states
+from ..optim._hparams import is_optimizer_state, is_schedule
 from ..optim._param_groups import grouped, lr_ratios, optimizers_in
 
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
