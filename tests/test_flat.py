@@ -336,7 +336,7 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
     """On the CPU a buffer holds at most ``CPU_BUCKET_BYTES``: a module's own
     parameters stay together where they fit, a larger tensor is a buffer of its own
     (its gradient is then never copied into a flat one), other devices keep one."""
-    import funcgrad.core._flat as flat_mod
+    import funcgrad.core._layout as layout_mod
     from funcgrad.core._flat import Layout
 
     def lay(**shapes: tuple[int, ...]) -> list[list[str]]:
@@ -353,7 +353,7 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
             assert layout.sizes[b] == at
         return [list(m) for m in layout.members]
 
-    monkeypatch.setattr(flat_mod, "CPU_BUCKET_BYTES", 100 * 8)  # 100 float64 entries
+    monkeypatch.setattr(layout_mod, "CPU_BUCKET_BYTES", 100 * 8)  # 100 float64 entries
     # 60 + 30 fit; 40 more would not: the next module starts a buffer
     assert lay(a_w=(6, 10), a_b=(30,), b_w=(40,), c_w=(50,)) == [
         ["a.w", "a.b"],
@@ -380,9 +380,9 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
 def test_capped_buffers_equal_the_per_tensor_layout(compile, monkeypatch) -> None:
     """Several buffers of one dtype, one module split across two (its group is ruled
     per tensor there, the others per segment): the same training as per tensor."""
-    import funcgrad.core._flat as flat_mod
+    import funcgrad.core._layout as layout_mod
 
-    monkeypatch.setattr(flat_mod, "CPU_BUCKET_BYTES", 40 * 8)  # modules of 30, 42, 42, 21
+    monkeypatch.setattr(layout_mod, "CPU_BUCKET_BYTES", 40 * 8)  # modules of 30, 42, 42, 21
     torch._dynamo.reset()
     a, b = stack(2), stack(2)
     pa = fg.params(a)

@@ -347,7 +347,7 @@ def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, capped, monkey
     or empty); each parameter's pieces, rank after rank, are its entries in order.
     ``capped``: CPU buffers of at most 64 bytes, so one dtype has several buffers."""
     if capped:
-        monkeypatch.setattr(fg.core._flat, "CPU_BUCKET_BYTES", 64)
+        monkeypatch.setattr(fg.core._layout, "CPU_BUCKET_BYTES", 64)
     D = torch.float64
     named = {
         "t": torch.tensor(2.0, dtype=D),  # 0-d

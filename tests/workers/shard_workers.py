@@ -324,7 +324,7 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             fg.sharded(make_tx(m, amsgrad=rank == 2)).init(fg.params(m))
         layout, mode = mode, mode.removesuffix(ROWS)  # layout: the mode as given
         if mode.endswith(CAPPED):
-            fg.core._flat.CPU_BUCKET_BYTES = 12 * 8
+            fg.core._layout.CPU_BUCKET_BYTES = 12 * 8
             mode = mode.removesuffix(CAPPED)
         if mode == "per_shard":  # statistics NOT combined: each rank decides on its part
             _shard._Group.any = lambda self, flag: flag  # type: ignore[method-assign]
