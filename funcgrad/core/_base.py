@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
@@ -260,17 +260,29 @@ def apply_updates(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -
     return dict(zip(params, new, strict=True))
 
 
+def in_dtype_of(u: Tensor, p: Tensor) -> Tensor:
+    """``u`` in ``p``'s dtype; ``u`` itself where it has it (no call: eager overhead)."""
+    return u if u.dtype == p.dtype else u.to(p.dtype)
+
+
+def is_number(x: object) -> TypeGuard[int | float]:
+    """An ``int`` or ``float`` that is not a ``bool`` (``True`` is an ``int`` in Python)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_int(x: object) -> TypeGuard[int]:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def updates_as_params(params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> list[Tensor]:
     """The updates aligned with ``leaves(params)`` (a Flat's buffers, else its values),
     each cast to its parameter's dtype (no call where it already has it: eager
     overhead)."""
     if isinstance(params, Flat):
         packed = pack(updates, params.layout)
-        return [
-            u if u.dtype == p.dtype else u.to(p.dtype)
-            for p, u in zip(params.buffers, packed.buffers, strict=True)
-        ]
-    return [u if (u := updates[k]).dtype == p.dtype else u.to(p.dtype) for k, p in params.items()]
+        return [in_dtype_of(u, p) for p, u in zip(params.buffers, packed.buffers, strict=True)]
+    return [in_dtype_of(updates[k], p) for k, p in params.items()]
 
 
 def describe(x: object) -> str:

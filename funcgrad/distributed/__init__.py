@@ -2,8 +2,8 @@
 ``fg.sharded`` (ZeRO-2, ``_sharded``; how it cuts tensors across ranks in ``_split``)
 and distributed checkpoints (``_checkpoint``: directories written with
 ``torch.distributed.checkpoint``, imported on first use; a sharded state's rows viewed
-whole in ``_whole``; atomic writes and checksums in ``_files``). Imports ``funcgrad.core`` and ``funcgrad.rules``.
-The public names are ``fg.*``.
+whole in ``_whole``; atomic writes and checksums in ``_files``). Imports
+``funcgrad.core`` and ``funcgrad.rules``. The public names are ``fg.*``.
 """
 
 from .. import _compat

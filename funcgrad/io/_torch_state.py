@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..core import _flat as flat
-from ..core._base import GradientTransformation, State
+from ..core._base import GradientTransformation, State, is_int
 from ..optim._adadelta import AdadeltaState
 from ..optim._adafactor import AdafactorState
 from ..optim._adagrad import AdagradState
@@ -297,7 +297,7 @@ def _count(
     buffered = any(st.get("momentum_buffer") is not None for st in held)
     if count is None:
         return 1 if buffered else 0
-    if isinstance(count, bool) or not isinstance(count, int) or count < int(buffered):
+    if not is_int(count) or count < int(buffered):
         raise ValueError(
             f"{who}: count={count!r}; expected an int >= {int(buffered)} (the optimizer "
             f"{'holds' if buffered else 'holds no'} momentum buffers)."

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation
+from ..core._base import GradientTransformation, is_number
 from ..core._invariants import invariants
 from ._hparams import (
     DecayMask,
@@ -77,7 +77,7 @@ def _adam(
     check_hyperparameters(AdamState, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     check_bool(amsgrad, "amsgrad", who)
     check_bool(maximize, "maximize", who)
-    if isinstance(eps_root, bool) or not isinstance(eps_root, (int, float)) or not eps_root >= 0:
+    if not is_number(eps_root) or not eps_root >= 0:
         raise ValueError(f"Invalid eps_root value: {eps_root!r}; expected a float >= 0.")
     eps_root = float(eps_root)
     wd = off_if_zero(weight_decay)

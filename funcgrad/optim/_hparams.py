@@ -28,7 +28,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, Params, with_facts
+from ..core._base import GradientTransformation, Params, is_number, with_facts
 from ..core._compose import plain_value
 from ..core._tree import names_mismatch
 
@@ -88,7 +88,7 @@ def check_number(
         if value is not None and not ok(value):
             raise ValueError(message.format(value))
         return
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if not is_number(x):
         raise TypeError(f"Invalid {what}: {x!r}. Use a float, a 0-d tensor or a schedule.")
     if not ok(x):
         raise ValueError(message.format(x))
@@ -155,7 +155,7 @@ def check_lr(lr: Any) -> None:
     """Validate a learning rate: a float >= 0, a 0-d floating tensor, or a schedule."""
     if isinstance(lr, Tensor) or is_schedule(lr):
         check_number(lr, "learning rate", lambda v: v >= 0.0, "Invalid learning rate: {}", "lr")
-    elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+    elif not is_number(lr):
         raise TypeError(
             f"Invalid learning rate: {lr!r}. Use a float, a 0-d tensor, or a schedule "
             "count -> lr (e.g. fg.cosine_decay(1e-3, 1000))."

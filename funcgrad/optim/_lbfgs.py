@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, Params, check_floating, with_facts
+from ..core._base import GradientTransformation, Params, check_floating, is_int, with_facts
 from ..core._invariants import invariants
 from ..core._vector import flat_vector
 from ._hparams import (
@@ -86,7 +86,7 @@ hyperparameters(
 
 
 def _count_arg(x: Any, name: str, low: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < low:
+    if not is_int(x) or x < low:
         raise ValueError(f"fg.lbfgs: {name}={x!r}; expected an int >= {low}.")
     return x
 

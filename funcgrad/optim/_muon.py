@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, Params
+from ..core._base import GradientTransformation, Params, is_int
 from ..core._invariants import invariants
 from ..rules import _rule_base as rb
 from ._hparams import (
@@ -149,7 +149,7 @@ def muon(
         )
     if not (isinstance(ns_coefficients, (tuple, list)) and len(ns_coefficients) == 3):
         raise ValueError(f"Coefficients must be a tuple of exactly 3 values: {ns_coefficients!r}")
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+    if not is_int(ns_steps) or not 0 <= ns_steps < 100:
         raise ValueError(f"Invalid ns_steps: {ns_steps!r}; expected an int in [0, 100).")
     coeffs = (float(ns_coefficients[0]), float(ns_coefficients[1]), float(ns_coefficients[2]))
     wd = off_if_zero(weight_decay)

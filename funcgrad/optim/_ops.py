@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core._base import is_number
 from ..core._scratch import BIG, Scratch
 
 
@@ -120,7 +121,7 @@ class Lists(Ops):
     @staticmethod
     def _scalar(x: Any, tensor_ok: bool) -> bool:
         """Whether ``x`` may go to a ``_foreach_*`` overload as the shared scalar."""
-        if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if is_number(x):
             return True
         return tensor_ok and isinstance(x, Tensor) and x.dim() == 0
 

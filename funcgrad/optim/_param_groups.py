@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..core._base import GradientTransformation, require_transformation
+from ..core._base import GradientTransformation, is_number, require_transformation
 from ..core._combine import by_groups
 from ._hparams import OptimizerInfo, is_schedule
 
@@ -57,7 +57,7 @@ def lr_ratios(infos: Sequence[OptimizerInfo]) -> list[float]:
     out = []
     for info in infos:
         lr = (info.kwargs or {}).get("lr")
-        plain = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (first, lr))
+        plain = all(is_number(x) for x in (first, lr))
         out.append(float(lr) / float(first) if plain and first else 1.0)  # type: ignore[arg-type]
     return out
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..core._base import is_int, is_number
+
 Schedule = Callable[[Tensor], Tensor]
 
 
@@ -23,13 +25,13 @@ def _as_count(count: Tensor) -> Tensor:
 
 
 def _steps(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{what} must be a positive int, got {value!r}.")
     return value
 
 
 def _real(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise TypeError(f"{what} must be a finite real number, got {value!r}.")
     return float(value)
 
@@ -50,7 +52,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Sch
         [1.0, 0.5, 0.0, 0.0]
     """
     init_value = _real(init_value, "fg.cosine_decay: init_value")
-    if isinstance(decay_steps, bool) or not isinstance(decay_steps, int) or decay_steps <= 0:
+    if not is_int(decay_steps) or decay_steps <= 0:
         raise ValueError(f"fg.cosine_decay: decay_steps must be > 0, got {decay_steps}.")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"fg.cosine_decay: alpha must be in [0, 1], got {alpha}.")
@@ -112,7 +114,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             f"boundaries, got {len(boundaries)}."
         )
     for i, b in enumerate(boundaries):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        if not is_int(b) or b < 0:
             raise ValueError(f"fg.join_schedules: boundaries[{i}] must be an int >= 0, got {b!r}.")
     if boundaries != sorted(boundaries):
         raise ValueError(f"fg.join_schedules: boundaries must increase, got {boundaries}.")
@@ -152,7 +154,7 @@ def warmup_cosine_decay(
     peak_value = _real(peak_value, "fg.warmup_cosine_decay: peak_value")
     end_value = _real(end_value, "fg.warmup_cosine_decay: end_value")
     warmup = _steps(warmup_steps, "fg.warmup_cosine_decay: warmup_steps")
-    if isinstance(decay_steps, bool) or not isinstance(decay_steps, int) or decay_steps <= warmup:
+    if not is_int(decay_steps) or decay_steps <= warmup:
         raise ValueError(
             "fg.warmup_cosine_decay: decay_steps counts the warmup too and must be > "
             f"warmup_steps ({warmup}), got {decay_steps!r}."

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from torch import Tensor, nn
 
+from ..core._base import is_int
 from ..step._model import trainable_names
 
 
@@ -136,7 +137,7 @@ def group_by_module(
         >>> fg.group_by_module(model, depth=1) == fg.group_by_module(model)
         True
     """
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+    if depth is not None and (not is_int(depth) or depth < 1):
         raise ValueError(
             f"fg.group_by_module: depth must be a positive int, got {depth!r}. "
             "depth=1 groups by top-level module, depth=2 by the next level, and so on."

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .. import _compat
 from .._compat import compiling
-from ..core._base import describe
+from ..core._base import describe, is_number
 
 Group = Mapping[str, Tensor]
 T = TypeVar("T")
@@ -245,7 +245,7 @@ class Rule(_Named[dict[str, Tensor]]):
 
 def number(value: object, what: str, *, finite: bool = True) -> float:
     """``value`` as a float, or a clear error naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{what} must be a real number, got {value!r}.")
     if finite and not math.isfinite(value):
         raise ValueError(f"{what} must be finite, got {value!r}.")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .._compat import compiling, tree_flatten
-from ..core._base import GradientTransformation, Params, State
+from ..core._base import GradientTransformation, Params, State, in_dtype_of
 from ..core._combine import ParamGroupsState
 from ..core._tree import tree_map
 from ..core._vector import flat_vector, unflatten
@@ -242,9 +242,7 @@ class Core:
         traced = compiling()  # torch.compile(opt.step)
         self.state = written_into(self.state, state, parameters) if traced else state
         us = [updates[n] for n in names]
-        us = [
-            u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(parameters, us, strict=True)
-        ]
+        us = [in_dtype_of(u, p) for p, u in zip(parameters, us, strict=True)]
         if traced:  # one add per tensor: inductor fuses each into its update's kernel
             for p, u in zip(parameters, us, strict=True):
                 p.add_(u)

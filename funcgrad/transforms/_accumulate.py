@@ -32,6 +32,7 @@ from ..core._base import (
     Params,
     State,
     check_state,
+    is_int,
     params_device,
     require_transformation,
     shardable,
@@ -87,7 +88,7 @@ def accumulate(tx: GradientTransformation, every: int) -> GradientTransformation
         (tensor([0.]), tensor([-0.1000]), 1)
     """
     require_transformation(tx, "fg.accumulate: tx")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if not is_int(every) or every < 1:
         raise ValueError(
             f"fg.accumulate: every must be an int >= 1 (micro-steps per update), got {every!r}."
         )

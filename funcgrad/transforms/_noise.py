@@ -22,7 +22,14 @@ from typing import Any, NamedTuple, overload
 import torch
 from torch import Tensor
 
-from ..core._base import GradientTransformation, Params, check_state, params_device
+from ..core._base import (
+    GradientTransformation,
+    Params,
+    check_state,
+    is_int,
+    is_number,
+    params_device,
+)
 from ..core._fusion import realize
 from ..core._invariants import invariants
 
@@ -87,9 +94,9 @@ def add_noise(std: float, seed: int) -> GradientTransformation:
         >>> torch.equal(a["w"], b["w"]), int(s1.count)  # same seed and step: same noise
         (True, 1)
     """
-    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std >= 0:
+    if not is_number(std) or not std >= 0:
         raise ValueError(f"fg.add_noise: std must be a number >= 0, got {std!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+    if not is_int(seed) or not 0 <= seed < 2**32:
         raise ValueError(f"fg.add_noise: seed must be an int in [0, 2**32), got {seed!r}.")
     std = float(std)
 
