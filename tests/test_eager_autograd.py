@@ -23,7 +23,7 @@ from workers.shard_workers import small_gpt
 
 import funcgrad as fg
 import funcgrad.core._scratch as fg_scratch
-import funcgrad.step._step as fg_step
+import funcgrad.step._gradients as fg_step
 
 
 def reference(loss_fn, tx, params, state, batches_, has_aux=False, buffers=None):
