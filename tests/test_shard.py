@@ -16,6 +16,7 @@ import funcgrad as fg
 from funcgrad import rules
 from funcgrad.core._tree import tensor_paths
 from funcgrad.distributed import _sharded as _shard
+from funcgrad.distributed import _split
 
 
 def single_process(steps=range(sw.STEPS), params=None, state=None):
@@ -241,13 +242,13 @@ def test_rows_are_torch_chunk_and_pad_round_trip(shape, world):
     chunks = list(torch.chunk(as_rows, world)) if as_rows.shape[0] else []
     blocks = []
     for r in range(world):
-        rows = _shard.Rows(tuple(shape), r, world)
+        rows = _split.Rows(tuple(shape), r, world)
         want = chunks[r] if r < len(chunks) else as_rows[:0]
         assert torch.equal(rows.local(t), want)
         assert torch.equal(rows.unpad_local(rows.pad_local(rows.local(t))), want)
         blocks.append(rows.pad_local(rows.local(t)))
         assert torch.equal(rows.padded(t)[r], blocks[-1])
-    assert torch.equal(_shard.Rows(tuple(shape), 0, world).whole(torch.stack(blocks)), t)
+    assert torch.equal(_split.Rows(tuple(shape), 0, world).whole(torch.stack(blocks)), t)
 
 
 def test_shard_safety_of_rules_and_conditions():
@@ -363,7 +364,7 @@ def test_flat_chunks_are_equal_runs_that_cover_each_buffer(world, capped, monkey
     parts = []
     for rank in range(world):
         monkeypatch.setattr(_shard.dist, "get_rank", lambda group=None, r=rank: r)
-        parts.append(_shard.Chunks(SimpleNamespace(group_name="stand-in"), flat.layout))
+        parts.append(_split.Chunks(SimpleNamespace(group_name="stand-in"), flat.layout))
     for b, n in enumerate(flat.layout.sizes):
         c = -(-n // world)
         spans = [ch.span(ch.rank, b) for ch in parts]

@@ -20,7 +20,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import funcgrad as fg
-from funcgrad.distributed import _sharded as _shard
+from funcgrad.distributed import _split
 from funcgrad.distributed import _whole as _shard_checkpoint
 from funcgrad.rules import _rule_base
 from workers.dist_workers import destroy, spawn
@@ -327,8 +327,8 @@ def worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
             fg.core._layout.CPU_BUCKET_BYTES = 12 * 8
             mode = mode.removesuffix(CAPPED)
         if mode == "per_shard":  # statistics NOT combined: each rank decides on its part
-            _shard._Group.any = lambda self, flag: flag  # type: ignore[method-assign]
-            _shard._Group.batched = lambda self, fn: fn()  # type: ignore[method-assign]
+            _split.Cut.any = lambda self, flag: flag  # type: ignore[method-assign]
+            _split.Cut.batched = lambda self, fn: fn()  # type: ignore[method-assign]
         if mode == "nested_batched":  # the nested rule's statistics in one collective
             _rule_base.reads_input_only = _rule_base.is_shard_safe
         if mode == "custom_on_shards":  # the custom rule run on rows, not the whole group
