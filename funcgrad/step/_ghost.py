@@ -12,7 +12,7 @@ norm ``C`` and averages, as ``per_sample=fg.clip_by_global_norm(C)`` does under
    ``b``, sample by sample (the batch's loss is the mean or sum of the samples'), and
    never the parameters' gradients;
 3. from each module's inputs ``a`` and ``b``, every sample's squared gradient norm
-   (:class:`_Linear`: ``|a|^2 |b|^2`` per position, or the Gram form
+   (``_ghost_layers._Matmul``: ``|a|^2 |b|^2`` per position, or the Gram form
    ``sum((a a^T) * (b b^T))`` over a sequence, or the per-sample matrix, whichever
    costs less; convolutions through ``unfold``; embeddings over equal indices;
    normalization layers from their normalized input; any other module through a
