@@ -54,7 +54,7 @@ def test_setup_has_a_parameter_shard_that_is_all_zero_while_its_layer_is_not():
         ("eager", 2),
         ("eager", 3),
         ("compiled", 2),
-        ("compiled_inductor", 3),
+        ("compiled_inductor", 2),  # three inductor ranks on two cores took 38 s
         ("gradients", 2),
         ("eager+rows", 3),
         ("compiled+rows", 2),
