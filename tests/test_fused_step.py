@@ -321,6 +321,26 @@ def test_decay_mask_splits_the_kernel_calls(fused_calls):
     assert fused_calls == ["fg.adamw"] * STEPS
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_decay_mask_on_the_foreach_path_with_a_carried_scalar(dtype, fused_calls):
+    """NAdam with a decay mask: one torch call per decay setting within the group, each
+    starting from the state's mu_product (torch keeps one per parameter, each advanced
+    once a step); equal to torch's decay / no-decay groups."""
+    a, b = net(dtype), net(dtype)
+    groups = [
+        {"params": [p for p in a.parameters() if p.ndim == 2]},
+        {"params": [p for p in a.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    ta = torch.optim.NAdam(groups, 1e-2, weight_decay=0.3, foreach=True)
+    want = run(a, ta, dtype)
+    tx = fg.nadam(1e-2, weight_decay=0.3, mask=lambda n, p: p.ndim == 2)
+    tb = fg.Optimizer(b, tx)
+    assert_bitwise(run(b, tb, dtype), want)
+    assert fused_calls == ["fg.nadam"] * STEPS
+    p = next(iter(a.parameters()))
+    assert torch.equal(tb.tx_state.mu_product, ta.state[p]["mu_product"])
+
+
 def test_two_optimizers_interleaved(fused_calls):
     """Two fg.Optimizers stepped in turn share nothing: each equals its own torch run."""
     dt = torch.float64

@@ -243,17 +243,18 @@ def _step(
     }
     wd = v.get("weight_decay", 0.0)
     foreach = _foreach.FOREACH.get(info.who)
-    carried = {f: getattr(s, f) for f in foreach.carried} if foreach is not None else {}
+    fields = foreach.carried if foreach is not None else ()
+    before = [getattr(s, f) for f in fields]  # every bucket starts from the state's
+    carried: dict[str, Tensor] = {}
     steps: dict[torch.device, Tensor] = {}
     for (device, _, decays), names in buckets.items():
         ps = [params[n] for n in names]
         gs = [grads[n] for n in names]
         ss = [[slot[n] for n in names] for slot in slots]
         w = wd if decays else 0.0
-        if foreach is not None:
-            kept = list(carried.values())
-            new = _foreach.step(info.who, ps, gs, ss, kept, s.count, v, kwargs, w)
-            carried = dict(zip(carried, new, strict=True))  # equal in every bucket
+        if foreach is not None:  # the carried values come out equal from every bucket
+            new = _foreach.step(info.who, ps, gs, ss, before, s.count, v, kwargs, w)
+            carried = dict(zip(fields, new, strict=True))
             continue
         if info.who == "fg.sgd":
             momentum = v.get("momentum", 0.0)  # 0.0 written to a group: plain SGD, as torch
