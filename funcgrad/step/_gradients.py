@@ -75,7 +75,7 @@ def _detached(x: Any) -> Any:
 def autograd_gradients(
     loss_fn: LossFn, has_aux: bool, buffers: bool
 ) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
-    """The same as :func:`gradients` (without ``per_sample``), by plain autograd.
+    """The same as :func:`gradient_function` (without ``per_sample``), by plain autograd.
 
     Eagerly, ``torch.func.grad`` wraps every tensor and pytree on each call, which
     costs about twice the time of ``torch.autograd.grad`` over the same ``fg.call``

@@ -9,15 +9,15 @@ What the builders share (:func:`_core`, and the checks in ``make_step``):
 - :class:`funcgrad.step._checks.Checks`: everything that needs Python (names, structure,
   batch arity, donation safety) runs before tracing, so the traced step is pure
   tensor code;
-- :func:`gradients`: ``torch.func.grad`` of the loss, or per-sample gradients
-  (built from the same vmapped function as ``fg.per_sample_grads``, in
+- ``_gradients.gradient_function``: ``torch.func.grad`` of the loss, or per-sample
+  gradients (built from the same vmapped function as ``fg.per_sample_grads``, in
   ``_per_sample.py``);
 - ``compute``: ``tx.update`` + ``apply_updates``, a pure function.
 
 The builders: :func:`_eager_step` (``compile=False``): with ``donate=True``,
 :func:`funcgrad.core._tree.commit` writes every result into the given tensors afterwards,
 in one multi-tensor copy; :func:`_compiled_step` (``compile=True``): the graph writes
-them itself, each write made to depend on every gradient (:func:`after_gradients`),
+them itself, each write made to depend on every gradient (``_gradients.after_gradients``),
 with Ctrl-C held back while the graph runs; :func:`_gradients_step`
 (``compile="gradients"``): the gradient function compiled (a graph that writes
 nothing), the rest as in the eager step.
