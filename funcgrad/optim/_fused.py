@@ -188,8 +188,8 @@ def _prepare(
     if any(t.requires_grad for t in hp) or s.count.device != params[g.names[0]].device:
         return None
     foreach = _foreach.FOREACH.get(info.who)
-    if foreach is not None and any(params[n].dtype not in _foreach.DTYPES for n in g.names):
-        return None  # funcgrad computes float16/bfloat16 in float32, torch's foreach does not
+    # funcgrad computes float16/bfloat16 in float32, torch's foreach does not
+    dtypes = _foreach.DTYPES if foreach is not None else None
     for f in foreach.carried if foreach is not None else ():
         c = getattr(s, f)
         if not isinstance(c, Tensor) or c.dim() != 0 or c.requires_grad:
@@ -205,6 +205,7 @@ def _prepare(
             or not (p.is_cpu or p.is_cuda)  # fused kernels
             or not p.is_floating_point()
             or p.layout != torch.strided
+            or (dtypes is not None and p.dtype not in dtypes)
             or (grads is not None and not _fits(grads[n], p))
         ):
             return None
