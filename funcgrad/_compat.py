@@ -119,33 +119,48 @@ def optree_global_namespace() -> Any:
 # register/remove per step makes a new key each time, and dynamo guards on the table's
 # keys: a compiled ghost step would then recompile on every call. So the hook keeps the
 # one key its first registration got, and goes into and out of the table by that key
-# (the two dicts ``register_module_forward_hook(..., with_kwargs=True)`` writes).
+# (the two dicts ``register_module_forward_hook(..., with_kwargs=True)`` writes). Its
+# optional forward pre-hook (which taps the inputs of the calls a vmap-fallback module
+# makes itself) goes into ``_global_forward_pre_hooks`` the same way, under its own key.
 # Checked on 2.13, 2.14. Replacement: a public way to scope a global hook (none in 2.14).
 class GlobalForwardHook:
-    """A global forward hook (``with_kwargs=True``) put in and taken out of torch's
-    table under one key, first in it: :meth:`add`, :meth:`remove` (both idempotent)."""
+    """A global forward hook (``with_kwargs=True``), and optionally a global forward
+    pre-hook, put in and taken out of torch's tables under one key each, first in them:
+    :meth:`add`, :meth:`remove` (both idempotent)."""
 
-    def __init__(self, hook: Any) -> None:
+    def __init__(self, hook: Any, pre_hook: Any = None) -> None:
         from torch.nn.modules import module as _module
 
-        self._module, self._hook = _module, hook
+        self._module, self._hook, self._pre_hook = _module, hook, pre_hook
         handle = _module.register_module_forward_hook(hook, with_kwargs=True)
         self.key = handle.id
         handle.remove()
+        self.pre_key: int | None = None
+        if pre_hook is not None:
+            handle = _module.register_module_forward_pre_hook(pre_hook)
+            self.pre_key = handle.id
+            handle.remove()
+
+    @staticmethod
+    def _first(table: Any, key: int, hook: Any) -> None:
+        others = [(k, h) for k, h in table.items() if k != key]
+        table.clear()
+        table[key] = hook
+        table.update(others)
 
     def add(self) -> None:
-        """Into the table, first: it runs before any other global forward hook, on the
-        module's own output (torch runs them in the table's order)."""
-        hooks = self._module._global_forward_hooks
-        others = [(k, h) for k, h in hooks.items() if k != self.key]
-        hooks.clear()
-        hooks[self.key] = self._hook
-        hooks.update(others)
+        """Into the tables, first: they run before any other global forward (pre-)hook,
+        on the module's own output and input (torch runs them in the table's order)."""
+        self._first(self._module._global_forward_hooks, self.key, self._hook)
         self._module._global_forward_hooks_with_kwargs[self.key] = True
+        if self.pre_key is not None:
+            self._first(self._module._global_forward_pre_hooks, self.pre_key, self._pre_hook)
 
     def remove(self) -> None:
         self._module._global_forward_hooks.pop(self.key, None)
         self._module._global_forward_hooks_with_kwargs.pop(self.key, None)
+        if self.pre_key is not None:
+            self._module._global_forward_pre_hooks.pop(self.pre_key, None)
 
 
 # -- torch._inductor -------------------------------------------------------------------

@@ -189,10 +189,15 @@ def test_global_forward_hook_goes_in_and_out_of_torchs_table_under_one_key():
     from torch.nn.modules import module
 
     seen: list[str] = []
-    hook = _compat.GlobalForwardHook(lambda m, args, kwargs, out: seen.append(type(m).__name__))
+    hook = _compat.GlobalForwardHook(
+        lambda m, args, kwargs, out: seen.append(type(m).__name__),
+        lambda m, args: seen.append("pre"),
+    )
     lin = torch.nn.Linear(2, 2)
     other = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    other_pre = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
     before = dict(module._global_forward_hooks)
+    before_pre = dict(module._global_forward_pre_hooks)
     assert hook.key not in module._global_forward_hooks
     for _ in range(2):
         hook.add()
@@ -200,11 +205,15 @@ def test_global_forward_hook_goes_in_and_out_of_torchs_table_under_one_key():
         assert next(iter(module._global_forward_hooks)) == hook.key  # first: runs first
         assert list(module._global_forward_hooks)[1:] == list(before)
         assert module._global_forward_hooks_with_kwargs[hook.key] is True
+        assert next(iter(module._global_forward_pre_hooks)) == hook.pre_key
+        assert list(module._global_forward_pre_hooks)[1:] == list(before_pre)
         lin(torch.ones(1, 2))
         hook.remove()
         hook.remove()
         assert dict(module._global_forward_hooks) == before
+        assert dict(module._global_forward_pre_hooks) == before_pre
         assert hook.key not in module._global_forward_hooks_with_kwargs
         lin(torch.ones(1, 2))
     other.remove()
-    assert seen == ["Linear", "Linear"]
+    other_pre.remove()
+    assert seen == ["pre", "Linear", "pre", "Linear"]

@@ -261,6 +261,7 @@ PRIVATE_TORCH = (
     "torch._subclasses",
     "torch._guards",
     "_global_forward_hooks",
+    "_global_forward_pre_hooks",
 )
 # private attributes reached through getattr(obj, "name"): a string in the code
 PRIVATE_ATTRS = (

@@ -32,162 +32,29 @@ signature; traced by ``torch.compile`` it is a forward whose results are unused.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import grad
 
-from .. import _compat
 from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import LossFn, Params, clip_factor
-from ._errors import PER_SAMPLE_BATCHNORM
-from ._ghost_layers import (
+from ._ghost_layers import adopt_read_directly, layer_of, report_fallbacks
+from ._ghost_tap import (
+    _INSTALLED,
+    IN,
+    IN_FIXED,
+    OUT,
     Call,
-    adopt_read_directly,
+    Passing,
+    Shapes,
     broadcast_lead,
-    float_leaves,
-    layer_of,
-    module_path,
-    report_fallbacks,
+    hooked,
 )
 
-Shapes = list[list[tuple[tuple[int, ...], torch.dtype]]]
-"""The tapped modules' floating output shapes and dtypes, one list per call, in order."""
-
-
-class _Tap(threading.local):
-    """The pass in progress in this thread: ``None`` (the hook does nothing), ``"probe"``
-    (record output shapes) or ``"tap"`` (add the ``z``'s, record inputs)."""
-
-    def __init__(self) -> None:
-        # Every field set on the instance in each thread (not class defaults): dynamo
-        # guards on what the instance's __dict__ holds, which must not change in a step.
-        self.mode: str | None = None
-        self.named: Sequence[tuple[str, Tensor]] = ()
-        self.shapes: Shapes | None = None
-        self.owners: list[str] = []  # the probe's calls: each module's path
-        self.zs: Sequence[Tensor] = ()
-        self.used = 0
-        self.calls: list[Call] | None = None
-        self.shared: Sequence[bool] = ()
-        self.batch = 0
-
-
-_TAP = _Tap()
-
-
-class _Installed:
-    """The global forward hook :func:`_hook`, in torch's table only while some thread
-    runs a ghost step (a count of the steps in progress, under a lock), under the same
-    key every time (``_compat.GlobalForwardHook``: dynamo guards on the table)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.count = 0
-        self.hook: _compat.GlobalForwardHook | None = None
-
-    def __enter__(self) -> None:
-        with self.lock:
-            if self.hook is None:
-                self.hook = _compat.GlobalForwardHook(_hook)
-            if self.count == 0:
-                self.hook.add()
-            self.count += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.lock:
-            self.count -= 1
-            if self.count == 0 and self.hook is not None:
-                self.hook.remove()
-
-
-_INSTALLED = _Installed()
-
-
-def hooked() -> _Installed:
-    """The context in which ghost steps run: the tap's global forward hook is in
-    torch's table from the first entry (in any thread) to the last exit. ``fg.make_step``
-    enters it around each call of a ghost step and around its background build, where
-    the compiled step is traced; a ghost gradient function called eagerly enters it
-    itself."""
-    return _INSTALLED
-
-
-def _trained(module: nn.Module) -> dict[str, str]:
-    """The module's own parameters that are trained: own name -> name in the params."""
-    out: dict[str, str] = {}
-    for own, p in module._parameters.items():
-        if p is None:
-            continue
-        for name, t in _TAP.named:
-            if t is p:
-                out[own] = name
-                break
-    return out
-
-
-def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-    mode = _TAP.mode
-    if mode is None:
-        return None
-    names = _trained(module)
-    if not names:
-        return None
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-        raise RuntimeError(f"fg.ghost_clip: {PER_SAMPLE_BATCHNORM}")
-    leaves, spec = float_leaves(output)
-    slots = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
-    if mode == "probe":
-        assert _TAP.shapes is not None
-        index = len(_TAP.shapes)
-        _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
-        _TAP.owners.append(module_path(names))
-        if index < len(_TAP.shared) and _TAP.shared[index]:  # as the tap pass will: batched
-            new = list(leaves)
-            lead = broadcast_lead([tuple(leaves[i].shape) for i in slots])
-            for i in slots:
-                shape = leaves[i].shape[1:] if lead else leaves[i].shape
-                new[i] = leaves[i].expand(_TAP.batch, *shape)
-            return tree_unflatten(new, spec)
-        return None
-    assert _TAP.calls is not None
-    shared = _TAP.shared[len(_TAP.calls)]
-    new = list(leaves)
-    for i in slots:  # a call without the batch (shared by the samples) gets it here
-        new[i] = leaves[i] + _TAP.zs[_TAP.used]
-        _TAP.used += 1
-    call = Call(module, names, args, kwargs, len(slots))
-    call.shared = shared
-    call.state = {  # a module in _RULES may still need it: see layer_of
-        **dict(module.named_parameters(remove_duplicate=False)),
-        **dict(module.named_buffers(remove_duplicate=False)),
-    }
-    _TAP.calls.append(call)
-    return tree_unflatten(new, spec)
-
-
-class _Passing:
-    """Set the thread's pass for the block; always reset after it."""
-
-    def __init__(self, mode: str, named: Sequence[tuple[str, Tensor]], batch: int) -> None:
-        self.mode, self.named, self.batch = mode, named, batch
-
-    def __enter__(self) -> _Tap:
-        if _TAP.mode is not None:
-            raise RuntimeError(
-                "fg.ghost_clip: a ghost-clipped step ran inside another one's loss "
-                "(nested make_step calls with per_sample=fg.ghost_clip); call them one "
-                "after the other."
-            )
-        _TAP.mode, _TAP.named, _TAP.batch, _TAP.used = self.mode, self.named, self.batch, 0
-        return _TAP
-
-    def __exit__(self, *exc: object) -> None:
-        _TAP.mode, _TAP.named, _TAP.shapes, _TAP.zs, _TAP.calls = None, (), None, (), None
-        _TAP.used, _TAP.shared = 0, ()
+__all__ = ["ghost_gradients", "hooked"]
 
 
 def _signature(params: Params, batch: tuple[Any, ...]) -> Any:
@@ -199,9 +66,10 @@ def _signature(params: Params, batch: tuple[Any, ...]) -> Any:
     return (tuple((k, sig(v)) for k, v in params.items()), tuple(sig(b) for b in batch))
 
 
-Plan = list[tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]]
-"""Per tapped call: its floating outputs' shapes and dtypes in the step's batch, and
-whether the call is shared by the samples (no batch dimension: its ``z``'s get one)."""
+Plan = list[tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, str]]
+"""Per tapped entry: its floating tensors' shapes and dtypes in the step's batch,
+whether the call is shared by the samples (no batch dimension: its ``z``'s get one),
+and its kind (``OUT``: a module's outputs, ``IN``/``IN_FIXED``: a call's inputs)."""
 
 
 def _pass_shapes(
@@ -212,8 +80,9 @@ def _pass_shapes(
     rows: int,
     meta: bool,
     shared: Sequence[bool],
-) -> Shapes:
-    """One probe pass with the batch tensors at ``rows`` rows: the tapped outputs' shapes."""
+) -> tuple[Shapes, list[str], list[str]]:
+    """One probe pass with the batch tensors at ``rows`` rows: the tapped entries' shapes,
+    kinds and modules."""
 
     def resized(t: Any) -> Any:
         if not isinstance(t, Tensor):
@@ -226,15 +95,17 @@ def _pass_shapes(
         return torch.cat([t, t[: rows - n]])
 
     p = {k: torch.empty_like(v, device="meta") for k, v in params.items()} if meta else params
-    with _Passing("probe", list(p.items()), rows) as tap, torch.no_grad():
-        tap.shapes, tap.shared, tap.owners = [], shared, []
+    with Passing("probe", list(p.items()), rows) as tap, torch.no_grad():
+        tap.shapes, tap.owners = [], []
+        tap.plan = [(sh, False, OUT) for sh in shared]
         loss_fn(p, *(resized(b) for b in batch))
-        return tap.shapes
+        return tap.shapes, tap.kinds, tap.owners
 
 
-def _plan(at_n: Shapes, at_more: Shapes, n: int) -> Plan:
+def _plan(at_n: Shapes, at_more: Shapes, n: int, kinds: list[str]) -> Plan:
     """Which calls are batched (their leading dimension follows the rows) and which are
-    shared (no dimension does); anything else is an error."""
+    shared (no dimension does); anything else is an error (for a call's outputs: the
+    inputs of a call a module makes itself are either batched or not)."""
     plan: Plan = []
     if len(at_n) != len(at_more):
         raise RuntimeError(
@@ -242,12 +113,15 @@ def _plan(at_n: Shapes, at_more: Shapes, n: int) -> Plan:
             f"parameters at {n} and {n + 1} samples ({len(at_n)} and {len(at_more)}): "
             "it must call the same modules whatever the batch size."
         )
-    for one, more in zip(at_n, at_more, strict=True):
+    for one, more, kind in zip(at_n, at_more, kinds, strict=True):
         shared = [a == b for (a, _), (b, _) in zip(one, more, strict=True)]
         batched = [
             len(a) > 0 and a[0] == n and b[0] == n + 1 and a[1:] == b[1:]
             for (a, _), (b, _) in zip(one, more, strict=True)
         ]
+        if kind != OUT:
+            plan.append((one, False, IN if all(batched) else IN_FIXED))
+            continue
         if not (all(shared) or all(batched)):
             bad = [a for (a, _), ok in zip(one, batched, strict=True) if not ok]
             raise ValueError(
@@ -258,7 +132,7 @@ def _plan(at_n: Shapes, at_more: Shapes, n: int) -> Plan:
                 "(a positional embedding on arange); use "
                 "per_sample=fg.clip_by_global_norm(max_norm) otherwise."
             )
-        plan.append((one, all(shared) and bool(one)))
+        plan.append((one, all(shared) and bool(one), OUT))
     return plan
 
 
@@ -285,7 +159,7 @@ def _probe(
     owners: list[str] = []
     for _ in range(1 + 4096):
         try:
-            at_n, at_more = (
+            (at_n, kinds, named), (at_more, _, _) = (
                 _pass_shapes(loss_fn, params, batch, n, r, meta, settled) for r in (n, n + 1)
             )
         except (NotImplementedError, RuntimeError) as err:  # an op without a meta kernel
@@ -294,9 +168,9 @@ def _probe(
                 continue
             _refuse_prepended(err, plan, settled, owners)
             raise
-        owners = list(_TAP.owners)
-        plan = _plan(at_n, at_more, n)
-        now = [sh for _, sh in plan]
+        owners = list(named)
+        plan = _plan(at_n, at_more, n, kinds)
+        now = [sh for _, sh, _ in plan]
         later = [i for i in range(len(settled), len(now)) if now[i]]
         if not later:
             break
@@ -356,20 +230,23 @@ def ghost_gradients(
                 "per_sample=fg.clip_by_global_norm(max_norm) for this loss."
             )
         first = next(iter(params.values()))
-        lead = [sh and broadcast_lead([s for s, _ in leaves]) for leaves, sh in shapes]
+        lead = [sh and broadcast_lead([s for s, _ in leaves]) for leaves, sh, _ in shapes]
         zs = [
             torch.zeros(
                 (n, *s[1:]) if lead[c] else (n, *s) if shared else s, dtype=dt, device=first.device
             )
-            for c, (leaves, shared) in enumerate(shapes)
+            for c, (leaves, shared, _) in enumerate(shapes)
             for s, dt in leaves
         ]
         calls: list[Call] = []
+        entries: list[Any] = []  # the Calls and the Childs, in the order of their z's
 
         def tapped(zs: list[Tensor]) -> Any:
-            with _Passing("tap", list(params.items()), n) as tap:
-                tap.zs, tap.calls, tap.shared = zs, calls, [sh for _, sh in shapes]
+            with Passing("tap", list(params.items()), n) as tap:
+                tap.zs, tap.calls = zs, calls
+                tap.plan = [(sh, le, kind) for (_, sh, kind), le in zip(shapes, lead, strict=True)]
                 out = loss_fn(params, *batch)
+                entries[:] = tap.entries
                 if tap.used != len(zs):
                     raise RuntimeError(
                         "fg.ghost_clip: the forward called other modules than its shape "
@@ -381,10 +258,10 @@ def ghost_gradients(
             # What the modules saw leaves as torch.func's aux (tensors only, unwrapped);
             # the rest of their arguments stays with the calls.
             seen: list[Tensor] = []
-            for c in calls:
-                pair: Any = (c.args, c.kwargs)
-                c.leaves, c.spec = tree_flatten(pair)
-                seen += [t for t in c.leaves if isinstance(t, Tensor)]
+            for e in entries:
+                pair: Any = (e.args, e.kwargs) if isinstance(e, Call) else e.output
+                e.leaves, e.spec = tree_flatten(pair)
+                seen += [t for t in e.leaves if isinstance(t, Tensor)]
             return loss, ((loss, seen, out[1]) if has_aux else (loss, seen))
 
         gz, kept = grad(tapped, has_aux=True)(zs)
@@ -394,12 +271,16 @@ def ghost_gradients(
         # divided by n, folded into the norms (scale^2) and weights (scale) below.
         scale = float(n) if reduction == "mean" else 1.0
         it = iter(gz)
-        for c, lead_c in zip(calls, lead, strict=True):
-            leaves = [next(seen) if isinstance(t, Tensor) else t for t in c.leaves]
-            c.args, c.kwargs = tree_unflatten(leaves, c.spec)
-            c.grads = [next(it) for _ in range(c.n_out)]
-            if lead_c:  # (B, T, d) -> (B, 1, T, d): each sample's gradient of (1, T, d)
-                c.grads = [g.unsqueeze(1) for g in c.grads]
+        for e in entries:
+            leaves = [next(seen) if isinstance(t, Tensor) else t for t in e.leaves]
+            if not isinstance(e, Call):
+                e.output = tree_unflatten(leaves, e.spec)
+                e.in_grads = [next(it) for _ in range(e.n_in)]
+                continue
+            e.args, e.kwargs = tree_unflatten(leaves, e.spec)
+            e.grads = [next(it) for _ in range(e.n_out)]
+            if e.lead:  # (B, T, d) -> (B, 1, T, d): each sample's gradient of (1, T, d)
+                e.grads = [g.unsqueeze(1) for g in e.grads]
         adopt_read_directly(calls, params)
         layers = [layer_of(c, n) for c in calls]
         if not compiling():

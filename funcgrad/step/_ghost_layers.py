@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,45 +21,7 @@ from torch.func import functional_call, vjp, vmap
 
 from .._compat import tree_flatten, tree_unflatten
 from ..core._base import Params
-
-
-class Call:
-    """One call of a module that owns trained parameters, recorded by the tap pass."""
-
-    def __init__(
-        self, module: nn.Module, names: dict[str, str], args: Any, kwargs: Any, n_out: int
-    ) -> None:
-        self.module, self.names, self.args, self.kwargs, self.n_out = (
-            module, names, args, kwargs, n_out,
-        )  # fmt: skip
-        self.grads: list[Tensor] = []  # the output leaves' gradients, filled after the pass
-        # For a module without a rule of its own (Vmapped): the tensors its subtree ran
-        # with (functional_call puts the module's own back after the pass).
-        self.state: dict[str, Tensor] = {}
-        self.shared = False  # called without the batch (a positional embedding on arange)
-        self.leaves: list[Any] = []  # (args, kwargs) flattened, while torch.func unwraps
-        self.spec: Any = None
-
-
-def broadcast_lead(shapes: Sequence[tuple[int, ...]]) -> bool:
-    """Whether a shared call's outputs all lead with a dimension of 1 (a positional
-    embedding on ``arange(T)[None]``: ``(1, T, d)``, added to the batch's ``(B, T, d)``).
-    That dimension is where the batch broadcasts, so the batch goes there, ``(B, T, d)``,
-    rather than in front of it (``(B, 1, T, d)``, which the addition would broadcast to
-    ``(B, B, T, d)``); its output gradients get the 1 back (``(B, 1, T, d)``)."""
-    return bool(shapes) and all(len(s) > 0 and s[0] == 1 for s in shapes)
-
-
-def module_path(names: dict[str, str]) -> str:
-    """The module's path in the model (``""`` for the root) from its trained parameters'
-    own name -> full name; the first entry is one of its own (``_ghost._trained``)."""
-    own, full = next(iter(names.items()))
-    return full[: len(full) - len(own)].rstrip(".")
-
-
-def float_leaves(output: Any) -> tuple[list[Any], Any]:
-    """A module's output as leaves (torch's pytree, which dynamo traces) and its spec."""
-    return tree_flatten(output)
+from ._ghost_tap import Call, float_leaves, module_path, stubbed
 
 
 class Layer:
@@ -225,7 +186,39 @@ class _Affine(Layer):
 
 class Vmapped(Layer):
     """Any other module: its own parameters' per-sample gradients by ``vmap`` of a
-    ``vjp`` of the module alone, sample by sample (the module's children held fixed)."""
+    ``vjp`` of the module alone, sample by sample.
+
+    Narrow (:attr:`narrow`), where the module made its own calls with the batch first
+    and by position: the rerun runs only the module's own code, each call it makes
+    returning what it returned in the tap pass, and the ``vjp`` takes as cotangents the
+    gradients at those calls' inputs (tapped) and at the module's output: every path
+    from the module's own parameters to the loss passes through one of them. Otherwise
+    the module's whole subtree reruns for every sample."""
+
+    def __init__(self, call: Call, n: int) -> None:
+        super().__init__(call, n)
+        kids = call.children or []
+        self.narrow = (
+            call.children is not None
+            and not call.shared
+            and all("." not in own for own in call.names)  # nothing read from a child
+            and all(
+                k.batched_in
+                and not k.float_kwargs
+                and all(
+                    not isinstance(t, Tensor) or (t.is_floating_point() and t.dim() > 0
+                                                  and t.shape[0] == n)
+                    for t in k.leaves
+                )
+                for k in kids
+            )
+        )  # fmt: skip
+
+    def covered(self) -> list[Tensor]:
+        """The tensors whose use each sample's rerun repeats."""
+        if self.narrow:
+            return [self.call.state[o] for o in self.call.names]
+        return list(self.call.state.values())
 
     def per_sample(self) -> dict[str, Tensor]:
         call = self.call
@@ -238,8 +231,14 @@ class Vmapped(Layer):
             not call.shared and isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == self.n
             for t in arg_leaves
         ]
+        kids = (call.children or []) if self.narrow else []
+        outs = [[t for t in k.leaves if isinstance(t, Tensor)] for k in kids]
+        in_cots = [g for k in kids for g in k.in_grads]
 
-        def one(mp: dict[str, Tensor], cot: list[Tensor], *xs: Any) -> dict[str, Tensor]:
+        def one(
+            mp: dict[str, Tensor], cot: list[Tensor], kin: list[Tensor],
+            kout: list[list[Tensor]], *xs: Any,
+        ) -> dict[str, Tensor]:  # fmt: skip
             it = iter(xs)
             leaves = [
                 next(it).unsqueeze(0) if isb else t
@@ -249,17 +248,25 @@ class Vmapped(Layer):
             args, kwargs = rebuilt
 
             def f(p: dict[str, Tensor]) -> list[Tensor]:
-                out = functional_call(call.module, {**rest, **p}, tuple(args), kwargs)
-                outs, _ = float_leaves(out)
-                return [t for t in outs if isinstance(t, Tensor) and t.is_floating_point()]
+                if not self.narrow:
+                    out = functional_call(call.module, {**rest, **p}, tuple(args), kwargs)
+                    captured: list[Tensor] = []
+                else:
+                    mine = [[t.unsqueeze(0) for t in ts] for ts in kout]
+                    with stubbed(kids, mine) as captured:
+                        out = functional_call(call.module, {**rest, **p}, tuple(args), kwargs)
+                outs_, _ = float_leaves(out)
+                floats = [t for t in outs_ if isinstance(t, Tensor) and t.is_floating_point()]
+                return list(captured) + floats
 
             back = vjp(f, mp)[1]
-            (g,) = back([c if call.shared else c.unsqueeze(0) for c in cot])
+            up = [c.unsqueeze(0) for c in kin]
+            (g,) = back(up + [c if call.shared else c.unsqueeze(0) for c in cot])
             return g  # type: ignore[no-any-return]
 
         xs = [t for t, isb in zip(arg_leaves, batched, strict=True) if isb]
-        in_dims = (None, 0) + (0,) * len(xs)
-        g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, *xs)
+        in_dims = (None, 0, 0, 0) + (0,) * len(xs)
+        g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, in_cots, outs, *xs)
         return {call.names[o]: v for o, v in g.items()}
 
 
@@ -296,7 +303,7 @@ def report_fallbacks(layers: list[Layer], params: Params, told: set[str]) -> Non
         if not isinstance(layer, Vmapped):
             continue
         call = layer.call
-        covered = sum(t.numel() for t in call.state.values() if id(t) in trained)
+        covered = sum(t.numel() for t in layer.covered() if id(t) in trained)
         module = module_path(call.names)
         if covered / total < FALLBACK_SHARE or module in told:
             continue
