@@ -12,8 +12,12 @@ on the GPT and the CNN; peak memory <= 1.5x the plain step's.
 
 Hugging Face GPT-2 and BERT (``--models hf-gpt2,hf-bert``; needs transformers): the
 same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16), random weights.
+``vit``: timm's VisionTransformer form (the root owns ``cls_token`` and ``pos_embed``:
+ghost clipping's fallback for the root), 32x32 images in 4x4 patches, 2 blocks, dim
+128, batch 16; ``vit-frozen``: the same with those two frozen (no fallback at all).
 
-Run: python benchmarks/bench_ghost.py [--quick] [--models mlp,gpt,cnn,hf-gpt2,hf-bert]
+Run: python benchmarks/bench_ghost.py [--quick]
+     [--models mlp,gpt,cnn,hf-gpt2,hf-bert,vit,vit-frozen]
 """
 
 from __future__ import annotations
@@ -54,6 +58,54 @@ def hf_model(name: str) -> nn.Module:
     )  # fmt: skip
 
 
+class ViT(nn.Module):
+    """timm's VisionTransformer form, written here: patch embedding (a Linear on
+    flattened 4x4 patches), a class token and position embeddings owned by the root,
+    pre-norm blocks (attention through ``scaled_dot_product_attention``, an MLP), a
+    final norm and a head on the class token."""
+
+    def __init__(self, dim: int = 128, depth: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.patch = nn.Linear(3 * 16, dim)
+        self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, 65, dim))
+        self.pos_drop = nn.Dropout(0.0)
+        self.blocks = nn.Sequential(*(_Block(dim, heads) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, img):
+        b = img.shape[0]
+        x = img.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(b, 64, 48)
+        x = torch.cat([self.cls_token.expand(b, -1, -1), self.patch(x)], 1) + self.pos_embed
+        x = self.norm(self.blocks(self.pos_drop(x)))
+        return self.head(x[:, 0])
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 3 * dim),
+            nn.Linear(dim, dim),
+        )
+        self.ln2, self.fc1, self.fc2 = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 4 * dim),
+            nn.Linear(4 * dim, dim),
+        )
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
 def build(name: str):
     """(model, loss_fn, batch) for ``name``."""
     torch.manual_seed(0)
@@ -79,6 +131,17 @@ def build(name: str):
         if name == "hf-bert":  # a label per sequence
             return model, hf_loss, (idx[:, :-1], torch.randint(0, 10, (16,)))
         return model, hf_loss, (idx[:, :-1], idx[:, 1:])
+    if name in ("vit", "vit-frozen"):
+        model = ViT()
+        if name == "vit-frozen":
+            model.cls_token.requires_grad_(False)
+            model.pos_embed.requires_grad_(False)
+        batch = (torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)))
+
+        def loss(p, x, y):
+            return nn.functional.cross_entropy(fg.call(model, p, x), y)
+
+        return model, loss, batch
     if name == "gpt":
         from char_gpt import CharGPT
 
@@ -141,7 +204,9 @@ def peak_mb(name: str, variant: str, steps: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--models", default="mlp,gpt,cnn", help="also hf-gpt2, hf-bert")
+    ap.add_argument(
+        "--models", default="mlp,gpt,cnn", help="also hf-gpt2, hf-bert, vit, vit-frozen"
+    )
     args = ap.parse_args()
     repeats, number = (3, 2) if args.quick else (7, 3)
     results = {}

@@ -681,6 +681,52 @@ def test_the_narrow_fallback_compiled_with_inductor_in_one_graph():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("keyword", [False, True], ids=["narrow", "whole"])
+@pytest.mark.filterwarnings("ignore:fg.ghost_clip. the vmap fallback")
+def test_two_threads_rerunning_one_model_and_a_plain_forward_beside_them(keyword):
+    """The eager rerun runs on a shadow of the module (its own module objects, whose
+    calls skip their forwards): two threads taking ghost steps on one model and a
+    third calling it plainly all get their single-threaded results, and no module of
+    the model holds an attribute of funcgrad's afterwards (the user's own instance
+    forward stays theirs). The whole-model fallback (``keyword``) reran on the module
+    itself, where another thread's fg.call swaps tensors: wrong gradients before."""
+    import threading
+
+    model, x, y = _root_vit(keyword)
+    own = model.norm.forward
+    model.norm.forward = lambda t: nn.LayerNorm.forward(model.norm, t)  # the user's own
+    fn = ghost_gradients(_loss(model), False, C, "mean")
+    params = fg.params(model).views()
+    xs = [x * (1 + i / 10) for i in range(4)]
+    want = [fn(params, xi, y)[0] for xi in xs]
+    with torch.no_grad():
+        plain = [model(xi) for xi in xs]
+    got: dict = {}
+
+    def ghost(t):
+        got[t] = [fn(params, xi, y)[0] for _ in range(3) for xi in xs]
+
+    def forward():
+        with torch.no_grad():
+            got["plain"] = [model(xi) for _ in range(30) for xi in xs]
+
+    threads = [threading.Thread(target=f, args=a) for f, a in
+               ((ghost, ("a",)), (ghost, ("b",)), (forward, ()))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for t in "ab":
+        for i, g in enumerate(got[t]):
+            for k in g:
+                torch.testing.assert_close(g[k], want[i % 4][k], rtol=1e-12, atol=0)
+    for i, out in enumerate(got["plain"]):
+        torch.testing.assert_close(out, plain[i % 4], rtol=0, atol=0)
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == ["norm"]
+    del model.norm.forward
+    assert model.norm.forward == own
+
+
 def test_a_root_fallback_that_cannot_be_narrowed_reruns_the_model_and_warns_once():
     """A child given a tensor that depends on the root's parameter by keyword (not
     tapped): the whole model reruns for every sample, still exact, and the step warns

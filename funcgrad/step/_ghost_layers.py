@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from .._compat import tree_flatten, tree_unflatten
+from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import Params
-from ._ghost_tap import Call, float_leaves, module_path, stubbed
+from ._ghost_tap import Call, float_leaves, module_path, skipping, stubbed
+from ._model import shadow
 
 
 class Layer:
@@ -234,6 +235,18 @@ class Vmapped(Layer):
         kids = (call.children or []) if self.narrow else []
         outs = [[t for t in k.leaves if isinstance(t, Tensor)] for k in kids]
         in_cots = [g for k in kids for g in k.in_grads]
+        module, modules = call.module, [k.module for k in kids]
+        if not compiling():
+            # Eagerly the rerun runs on a shadow of the module (fg.call's: new module
+            # objects, dicts of their own), so functional_call swaps tensors there and
+            # not in the module another thread's fg.call may be running; the shadow's
+            # calls skip their forwards. Traced, their unused results are dropped.
+            memo: dict[int, nn.Module] = {}
+            module = shadow(call.module, memo)
+            shadows = {id(m) for m in memo.values()}
+            modules = [memo.get(id(m), m) for m in modules]
+            for m in {id(m): m for m in modules if id(m) in shadows}.values():
+                skipping(m)
 
         def one(
             mp: dict[str, Tensor], cot: list[Tensor], kin: list[Tensor],
@@ -249,12 +262,12 @@ class Vmapped(Layer):
 
             def f(p: dict[str, Tensor]) -> list[Tensor]:
                 if not self.narrow:
-                    out = functional_call(call.module, {**rest, **p}, tuple(args), kwargs)
+                    out = functional_call(module, {**rest, **p}, tuple(args), kwargs)
                     captured: list[Tensor] = []
                 else:
                     mine = [[t.unsqueeze(0) for t in ts] for ts in kout]
-                    with stubbed(kids, mine) as captured:
-                        out = functional_call(call.module, {**rest, **p}, tuple(args), kwargs)
+                    with stubbed(modules, kids, mine) as captured:
+                        out = functional_call(module, {**rest, **p}, tuple(args), kwargs)
                 outs_, _ = float_leaves(out)
                 floats = [t for t in outs_ if isinstance(t, Tensor) and t.is_floating_point()]
                 return list(captured) + floats

@@ -126,7 +126,7 @@ class _Tap(threading.local):
         self.plan: Sequence[tuple[bool, bool, str]] = ()  # per entry: shared, lead, kind
         self.batch = 0
         self.stack: list[_Frame | None] = []
-        self.stub: list[tuple[Child, list[Tensor]]] = []  # "stub": what each call returns
+        self.stub: list[tuple[nn.Module, Child, list[Tensor]]] = []  # "stub": each call's
         self.captured: list[Tensor] = []  # "stub": the direct calls' floating inputs
 
 
@@ -251,33 +251,50 @@ def _tapped_output(module: nn.Module, frame: _Frame, kwargs: Any, args: Any, out
 
 def _stub_output(module: nn.Module) -> Any:
     """In the rerun of one module: a call it makes itself returns the sample's part of
-    what it returned in the tap pass (its own computation runs, unused)."""
-    if not _TAP.stub or _TAP.stub[0][0].module is not module:
+    what it returned in the tap pass (its own computation skipped or unused)."""
+    if not _TAP.stub or _TAP.stub[0][0] is not module:
         raise RuntimeError(
             "fg.ghost_clip: a module's rerun for its per-sample gradients called "
             f"{type(module).__name__} where the tap pass called "
-            f"{type(_TAP.stub[0][0].module).__name__ if _TAP.stub else 'nothing'}: the "
+            f"{type(_TAP.stub[0][0]).__name__ if _TAP.stub else 'nothing'}: the "
             "module's forward must call the same modules in the same order every time."
         )
-    child, outs = _TAP.stub.pop(0)
+    _, child, outs = _TAP.stub.pop(0)
     it = iter(outs)
     leaves = [next(it) if isinstance(t, Tensor) else t for t in child.leaves]
     return tree_unflatten(leaves, child.spec)
 
 
+def skipping(module: nn.Module) -> None:
+    """Give ``module`` (a shadow: a copy private to one rerun) a forward that does
+    nothing in its caller's rerun, where :func:`_stub_output` replaces its output, and
+    is its own everywhere else (a call at another depth)."""
+    real = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if _TAP.mode == "stub" and len(_TAP.stack) == 2:
+            return None
+        return real(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
 class stubbed:
     """The rerun of one module for one sample (under ``vmap``): each call it makes
     itself returns ``outs`` (per :class:`Child`, its output's tensors, the sample's);
-    ``captured`` gathers those calls' floating positional inputs."""
+    ``captured`` gathers those calls' floating positional inputs. ``modules``: the
+    module each call is made on in the rerun (a shadow's, eagerly)."""
 
-    def __init__(self, children: list[Child], outs: list[list[Tensor]]) -> None:
-        self.children, self.outs = children, outs
+    def __init__(
+        self, modules: list[nn.Module], children: list[Child], outs: list[list[Tensor]]
+    ) -> None:
+        self.modules, self.children, self.outs = modules, children, outs
 
     def __enter__(self) -> list[Tensor]:
         if _TAP.mode is not None:
             raise RuntimeError("fg.ghost_clip: a module's rerun inside another pass")
         _TAP.mode, _TAP.stack, _TAP.captured = "stub", [], []
-        _TAP.stub = list(zip(self.children, self.outs, strict=True))
+        _TAP.stub = list(zip(self.modules, self.children, self.outs, strict=True))
         return _TAP.captured
 
     def __exit__(self, *exc: object) -> None:
