@@ -80,6 +80,8 @@ $(NEWEST): pyproject.toml constraints.txt
 	grep -v '^torch==' constraints.txt > $(VENV_NEWEST)/constraints.txt
 	$(VENV_NEWEST)/bin/python -m pip install -q torch==$(TORCH_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pip install -q -c $(VENV_NEWEST)/constraints.txt -e ".[dev,examples]"
+	# timm and torchvision (tests/test_vision_ghost.py; it skips where they are absent)
+	$(VENV_NEWEST)/bin/python -m pip install -q -c $(VENV_NEWEST)/constraints.txt torchvision timm
 	touch $(NEWEST)
 
 test-newest: $(NEWEST)

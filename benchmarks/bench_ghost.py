@@ -16,8 +16,12 @@ same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16), random weig
 ghost clipping's fallback for the root), 32x32 images in 4x4 patches, 2 blocks, dim
 128, batch 16; ``vit-frozen``: the same with those two frozen (no fallback at all).
 
+timm's ViT, DeiT (distilled) and ConvNeXt, torchvision's ViT, ResNet-18 and MobileNetV3
+(``--models timm-vit,timm-deit,timm-convnext,tv-vit,tv-resnet18,tv-mobilenet``; needs
+timm and torchvision, which load beside torch 2.14.1): 32x32 images, batch 8, eval mode.
+
 Run: python benchmarks/bench_ghost.py [--quick]
-     [--models mlp,gpt,cnn,hf-gpt2,hf-bert,vit,vit-frozen]
+     [--models mlp,gpt,cnn,hf-gpt2,hf-bert,vit,vit-frozen,timm-vit,...]
 """
 
 from __future__ import annotations
@@ -106,9 +110,46 @@ class _Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
+def vision_model(name: str) -> nn.Module:
+    """timm's and torchvision's models at 32x32 (tests/test_vision_ghost.py builds the
+    same), random weights, eval mode (dropout off, BatchNorm from running statistics).
+    They load only beside the torch they were built for (2.14.1: ``make test-newest``'s
+    venv)."""
+    small = dict(pretrained=False, img_size=32, patch_size=4, num_classes=10, depth=2)
+    if name.startswith("timm-"):
+        import timm
+
+        if name == "timm-convnext":
+            return timm.create_model("convnext_atto", pretrained=False, num_classes=10).eval()
+        arch = {"timm-vit": "vit_tiny_patch16_224", "timm-deit": "deit_tiny_distilled_patch16_224"}
+        return timm.create_model(arch[name], **small).eval()
+    import torchvision.models as tv
+
+    if name == "tv-vit":
+        return tv.VisionTransformer(
+            image_size=32, patch_size=4, num_layers=2, num_heads=3, hidden_dim=96,
+            mlp_dim=192, num_classes=10,
+        ).eval()  # fmt: skip
+    if name == "tv-resnet18":
+        return tv.resnet18(num_classes=10).eval()
+    return tv.mobilenet_v3_small(num_classes=10).eval()
+
+
+VISION = ("timm-vit", "timm-deit", "timm-convnext", "tv-vit", "tv-resnet18", "tv-mobilenet")
+
+
 def build(name: str):
     """(model, loss_fn, batch) for ``name``."""
     torch.manual_seed(0)
+    if name in VISION:
+        model = vision_model(name)
+        batch = (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
+
+        def vision_loss(p, x, y):
+            out = fg.call(model, p, x)
+            return nn.functional.cross_entropy(out[0] if isinstance(out, tuple) else out, y)
+
+        return model, vision_loss, batch
     if name == "mlp":
         layers: list[nn.Module] = [nn.Linear(512, 1024), nn.ReLU()]
         for _ in range(3):

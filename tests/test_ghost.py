@@ -90,6 +90,18 @@ class Tied(nn.Module):
         return self.head(self.norm(h)).mean(1)
 
 
+def _eval_bn(model: nn.Module) -> nn.Module:
+    """Eval mode, with running statistics and affine parameters that are not 0 and 1."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
 def _models():
     """name -> (model, batch maker(generator) -> (x, y), loss kind)."""
     torch.manual_seed(0)
@@ -139,6 +151,14 @@ def _models():
                 torch.randint(0, 4, (6,), generator=g),
             ),
         ),
+        # Cin * kernel >= 64 but 4 output positions: the unfolded input's Gram form
+        "conv2d-few-positions": (
+            nn.Sequential(nn.Conv2d(16, 8, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 2 * 2, 4)),
+            lambda g: (
+                torch.randn(6, 16, 4, 4, generator=g),
+                torch.randint(0, 4, (6,), generator=g),
+            ),
+        ),
         "conv1d-grouped": (
             nn.Sequential(nn.Conv1d(24, 3, 3, padding=1, stride=2), nn.Flatten(), nn.Linear(12, 4)),
             lambda g: (torch.randn(6, 24, 7, generator=g), torch.randint(0, 4, (6,), generator=g)),
@@ -151,6 +171,27 @@ def _models():
                 nn.Linear(20, 4),
             ),
             lambda g: (torch.randn(6, 3, 7, generator=g), torch.randint(0, 4, (6,), generator=g)),
+        ),
+        # eval-mode BatchNorm (its running statistics) and grouped / depthwise
+        # convolutions (the samples as groups times the convolution's own)
+        "batchnorm-eval-grouped": (
+            _eval_bn(
+                nn.Sequential(
+                    nn.Conv2d(4, 6, 3, padding=1, groups=2),
+                    nn.BatchNorm2d(6),
+                    nn.Tanh(),
+                    nn.Conv2d(6, 6, 3, stride=2, groups=6),  # depthwise
+                    nn.Flatten(2),
+                    nn.Conv1d(6, 4, 2, groups=2),
+                    nn.Flatten(),
+                    nn.BatchNorm1d(12),
+                    nn.Linear(12, 4),
+                )
+            ),
+            lambda g: (
+                torch.randn(6, 4, 5, 6, generator=g),
+                torch.randint(0, 4, (6,), generator=g),
+            ),
         ),
         "fallback": (
             nn.Sequential(Scaled(5), nn.Tanh(), nn.Linear(5, 4)),
@@ -509,6 +550,31 @@ def test_train_mode_batchnorm_is_refused_with_the_per_sample_message():
     ):
         step(params, fg.sgd(lr=0.1).init(params), torch.randn(5, 4, dtype=torch.float64),
              torch.randint(0, 2, (5,)))  # fmt: skip
+
+
+def test_eval_batchnorm_and_grouped_convolutions_take_their_own_rules(monkeypatch):
+    """Eval-mode BatchNorm (from its running statistics) and grouped / depthwise
+    convolutions no longer fall back to a vmap of the module; a BatchNorm without
+    running statistics (batch statistics in eval mode too) is refused."""
+    from funcgrad.step import _ghost, _ghost_layers
+
+    model, make = MODELS["batchnorm-eval-grouped"]
+    taken = []
+    real = _ghost.layer_of
+    monkeypatch.setattr(_ghost, "layer_of", lambda c, n: taken.append(real(c, n)) or taken[-1])
+    x, y = make(torch.Generator().manual_seed(1))
+    ghost_gradients(_loss(model), False, C, "mean")(fg.params(model).views(), x.double(), y)
+    assert len(taken) == 6 and not any(isinstance(t, _ghost_layers.Vmapped) for t in taken)
+    loose = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, track_running_stats=False),
+                          nn.Linear(6, 2)).double().eval()  # fmt: skip
+    with pytest.raises(RuntimeError, match=re.escape(
+        "fg.ghost_clip: BatchNorm1d built with track_running_stats=False normalizes with "
+        "the batch's statistics"
+    )):  # fmt: skip
+        ghost_gradients(_loss(loose), False, C, "mean")(
+            fg.params(loose).views(), torch.randn(4, 4, dtype=torch.float64),
+            torch.randint(0, 2, (4,)),
+        )  # fmt: skip
 
 
 def test_a_parameter_read_outside_its_module_is_a_clear_error():

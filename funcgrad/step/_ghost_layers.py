@@ -116,8 +116,9 @@ class _Matmul(Layer):
 
 class _GroupedConv(Layer):
     """A convolution's per-sample weight gradients as one grouped convolution backward
-    (the samples as groups): on the CPU faster than unfolding where the unfolded rows
-    are long (``Cin * kernel >= 64``), slower where they are short."""
+    (the samples as groups, times the convolution's own groups): on the CPU faster than
+    unfolding where the unfolded rows are long (``Cin * kernel >= 64``), slower where
+    they are short; the rule for grouped and depthwise convolutions."""
 
     def __init__(self, call: Call, n: int, x: Tensor, b: Tensor) -> None:
         super().__init__(call, n)
@@ -132,7 +133,7 @@ class _GroupedConv(Layer):
         wg = weight.repeat(n, *([1] * (weight.dim() - 1)))
         g = torch.ops.aten.convolution_backward(
             go, x, wg, None, list(m.stride), list(m.padding), list(m.dilation), False,
-            [0] * (weight.dim() - 2), n, [False, True, False],
+            [0] * (weight.dim() - 2), n * m.groups, [False, True, False],
         )[1]  # fmt: skip
         out = {self.call.names["weight"]: g.reshape(n, *weight.shape)}
         if (k := self.call.names.get("bias")) is not None:
@@ -351,9 +352,16 @@ def layer_of(call: Call, n: int) -> Layer:
     if (
         isinstance(m, (nn.Conv1d, nn.Conv2d))
         and type(m) in (nn.Conv1d, nn.Conv2d)
-        and _unfoldable(m)
+        and m.padding_mode == "zeros"
+        and not isinstance(m.padding, str)
     ):
-        if m.in_channels * math.prod(m.kernel_size) >= 64:
+        # Grouped (depthwise) convolutions, and long unfolded rows: the samples as
+        # groups (per-sample weight gradients), unless few output positions make the
+        # Gram form of the unfolded input cheaper (deep layers of an image model).
+        rows, out = m.in_channels * math.prod(m.kernel_size), m.out_channels
+        positions = b[0].numel() // out
+        gram = positions * (rows + out) <= rows * out
+        if m.groups > 1 or (rows >= 64 and not gram):
             return _GroupedConv(call, n, x, b)
         two = type(m) is nn.Conv2d
         xx = x if two else x.unsqueeze(2)
@@ -379,6 +387,16 @@ def layer_of(call: Call, n: int) -> Layer:
         k = len(m.normalized_shape)
         xhat = F.rms_norm(x, m.normalized_shape, None, m.eps)
         return _Affine(call, n, xhat, b, tuple(range(1, x.dim() - k)))
+    if (
+        isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+        and m.affine
+        and not m.training
+        and (mean := call.state.get("running_mean")) is not None
+        and (var := call.state.get("running_var")) is not None
+    ):  # eval mode: its running statistics, the same for every sample
+        xhat = F.batch_norm(x, mean, var, None, None, False, 0.0, m.eps)
+        return _Affine(call, n, xhat, b, tuple(range(2, x.dim())))
     if type(m) is nn.GroupNorm and m.affine and x.dim() >= 2:
         xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
         return _Affine(call, n, xhat, b, tuple(range(2, x.dim())))
@@ -400,7 +418,3 @@ def _hf_conv1d(m: nn.Module) -> bool:
         and tuple(w.shape) == (getattr(m, "nx", None), getattr(m, "nf", None))
         and tuple(bias.shape) == (w.shape[1],)
     )
-
-
-def _unfoldable(m: nn.Conv1d | nn.Conv2d) -> bool:
-    return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)

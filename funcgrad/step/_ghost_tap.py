@@ -213,8 +213,16 @@ def _tapped_output(module: nn.Module, frame: _Frame, kwargs: Any, args: Any, out
     """A module that owns trained parameters: its output's shapes (probe) or its output
     plus the ``z``'s, and its :class:`Call` (tap)."""
     names, mode = frame.names, _TAP.mode
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-        raise RuntimeError(f"fg.ghost_clip: {PER_SAMPLE_BATCHNORM}")
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):  # batch statistics mix samples
+        if module.training:
+            raise RuntimeError(f"fg.ghost_clip: {PER_SAMPLE_BATCHNORM}")
+        if module.running_mean is None:
+            raise RuntimeError(
+                f"fg.ghost_clip: {type(module).__name__} built with "
+                "track_running_stats=False normalizes with the batch's statistics in eval "
+                "mode too, so the samples mix and have no per-sample gradients. Use "
+                "GroupNorm/LayerNorm, or a BatchNorm with running statistics in eval mode."
+            )
     leaves, spec = float_leaves(output)
     slots = _floating(leaves)
     if mode == "probe":
