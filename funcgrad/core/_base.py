@@ -29,6 +29,15 @@ LossFn = Callable[..., Any]
 """``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``)."""
 
 
+class Gradients(NamedTuple):
+    """What a step's gradient function returns."""
+
+    grads: Params
+    loss: Tensor
+    buffers: Any  # the buffers the forward updated (make_step(buffers=True)), else None
+    aux: Any  # loss_fn's aux (has_aux=True), else None
+
+
 class InitFn(Protocol):
     def __call__(self, params: Params) -> State: ...
 

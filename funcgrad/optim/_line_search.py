@@ -39,6 +39,16 @@ class Point(NamedTuple):
     slope: Any
 
 
+class Found(NamedTuple):
+    """What :func:`line_search` found: the loss and gradient at step length ``t``, and
+    the evaluations it took."""
+
+    f: Any
+    g: Tensor
+    t: Any
+    evals: int
+
+
 def line_search(
     at: Callable[[Any], tuple[float, Tensor]],
     d: Tensor,
@@ -48,7 +58,7 @@ def line_search(
     budget: int,
     c1: float = 1e-4,
     c2: float = 0.9,
-) -> tuple[Any, Tensor, Any, int]:
+) -> Found:
     """A step length satisfying the strong Wolfe conditions along ``d`` from ``start``
     (``t=0``), first guess ``t``; at most ``budget`` evaluations of ``at(t) -> (loss,
     gradient)``. Returns the loss, gradient and step length found, and the evaluations."""
@@ -121,4 +131,4 @@ def line_search(
                 pair[high] = pair[low]
             pair[low] = new._replace(g=new.g.clone())
     best = pair[low]
-    return best.f, best.g, best.t, evals
+    return Found(best.f, best.g, best.t, evals)

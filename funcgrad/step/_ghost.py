@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.func import grad
 
 from .._compat import compiling, tree_flatten, tree_unflatten
-from ..core._base import LossFn, Params, clip_factor
+from ..core._base import Gradients, LossFn, Params, clip_factor
 from ._ghost_layers import adopt_read_directly, layer_of, report_fallbacks
 from ._ghost_tap import (
     _INSTALLED,
@@ -206,20 +206,20 @@ def _refuse_prepended(
 
 def ghost_gradients(
     loss_fn: LossFn, has_aux: bool, max_norm: float, reduction: str
-) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
+) -> Callable[..., Gradients]:
     """``fn(params, *batch) -> (grads, loss, None, aux)``: the mean over the batch of
     each sample's gradient clipped to ``max_norm`` (see the module docstring); ``loss``
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
     cache: dict[Any, Plan] = {}
     told: set[str] = set()  # the fallbacks already reported by this step
 
-    def fn(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+    def fn(params: Params, *batch: Any) -> Gradients:
         if compiling():  # traced: the step's caller put the hook in (hooked())
             return ghostly(params, *batch)
         with _INSTALLED:
             return ghostly(params, *batch)
 
-    def ghostly(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+    def ghostly(params: Params, *batch: Any) -> Gradients:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
         shapes = _probe(loss_fn, params, batch, n, cache)
         if not shapes:
@@ -324,6 +324,6 @@ def ghost_gradients(
             grads[k] = torch.tensordot(w.to(g.dtype), g, dims=1)
         out = {k: grads[k].to(p.dtype).reshape(p.shape) for k, p in params.items()}
         mean_loss = loss.detach() if reduction == "mean" else loss.detach() / n
-        return out, mean_loss, None, aux
+        return Gradients(out, mean_loss, None, aux)
 
     return fn

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value
 
-from ..core._base import GradientTransformation, LossFn, Params
+from ..core._base import Gradients, GradientTransformation, LossFn, Params
 from ..core._flat import Flat, leaves
 from ..core._tree import tree_map
 from ._ghost import ghost_gradients
@@ -26,7 +26,7 @@ def ghost_of(per_sample: GradientTransformation | None) -> Any:
 
 def gradient_function(
     loss_fn: LossFn, has_aux: bool, per_sample: GradientTransformation | None, buffers: bool
-) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
+) -> Callable[..., Gradients]:
     """``fn(params, [buffers,] *batch) -> (grads, loss, new_buffers, aux)`` (traced).
 
     With ``buffers``, the loss sees clones of the buffers made inside the transform:
@@ -45,15 +45,15 @@ def gradient_function(
         def stateful(params: Params, bufs: dict[str, Tensor], *batch: Any) -> Any:
             grads, (loss, extra) = grad_and_value(with_buffers, has_aux=True)(params, bufs, *batch)
             new_bufs, aux = extra if has_aux else (extra, None)
-            return grads, loss, new_bufs, aux
+            return Gradients(grads, loss, new_bufs, aux)
 
         return stateful
     if per_sample is None:
 
-        def plain(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+        def plain(params: Params, *batch: Any) -> Gradients:
             grads, out = grad_and_value(loss_fn, has_aux=has_aux)(params, *batch)
             loss, aux = out if has_aux else (out, None)
-            return grads, loss, None, aux
+            return Gradients(grads, loss, None, aux)
 
         return plain
     how = ghost_of(per_sample)
@@ -61,9 +61,9 @@ def gradient_function(
         return ghost_gradients(loss_fn, has_aux, *how)
     batched = vmapped_grads(loss_fn, has_aux, each=per_sample)
 
-    def averaged(params: Params, *batch: Any) -> tuple[Params, Tensor, Any, Any]:
+    def averaged(params: Params, *batch: Any) -> Gradients:
         g, losses, aux = batched(params, *batch)
-        return {k: v.mean(0) for k, v in g.items()}, losses.mean(), None, aux
+        return Gradients({k: v.mean(0) for k, v in g.items()}, losses.mean(), None, aux)
 
     return averaged
 
@@ -72,9 +72,7 @@ def _detached(x: Any) -> Any:
     return x.detach() if isinstance(x, Tensor) else x
 
 
-def autograd_gradients(
-    loss_fn: LossFn, has_aux: bool, buffers: bool
-) -> Callable[..., tuple[Params, Tensor, Any, Any]]:
+def autograd_gradients(loss_fn: LossFn, has_aux: bool, buffers: bool) -> Callable[..., Gradients]:
     """The same as :func:`gradient_function` (without ``per_sample``), by plain autograd.
 
     Eagerly, ``torch.func.grad`` wraps every tensor and pytree on each call, which
@@ -88,7 +86,7 @@ def autograd_gradients(
     version counters.
     """
 
-    def plain(params: Params, *args: Any) -> tuple[Params, Tensor, Any, Any]:
+    def plain(params: Params, *args: Any) -> Gradients:
         with torch.enable_grad():
             leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
             if buffers:
@@ -104,7 +102,7 @@ def autograd_gradients(
         grads = dict(zip(leaves, g, strict=True))
         new_bufs = {k: b.detach() for k, b in local.items()} if buffers else None
         aux = optree.tree_map(_detached, out[1], none_is_leaf=True) if has_aux else None
-        return grads, loss.detach(), new_bufs, aux
+        return Gradients(grads, loss.detach(), new_bufs, aux)
 
     return plain
 
