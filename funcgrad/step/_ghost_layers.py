@@ -10,6 +10,7 @@ any other module (``Vmapped``, the fallback, reported once per module).
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any
@@ -237,13 +238,19 @@ class Vmapped(Layer):
         outs = [[t for t in k.leaves if isinstance(t, Tensor)] for k in kids]
         in_cots = [g for k in kids for g in k.in_grads]
         module, modules = call.module, [k.module for k in kids]
+        if self.narrow:  # the calls' own tensors are never used: only the module's own
+            rest = {k: t for k, t in rest.items() if "." not in k}
         if not compiling():
-            # Eagerly the rerun runs on a shadow of the module (fg.call's: new module
-            # objects, dicts of their own), so functional_call swaps tensors there and
-            # not in the module another thread's fg.call may be running; the shadow's
-            # calls skip their forwards. Traced, their unused results are dropped.
+            # Eagerly the rerun runs on a shadow of the module (new module objects, dicts
+            # of their own, as fg.call's), so functional_call swaps tensors there and not
+            # in the module another thread's fg.call may be running; narrow, only the
+            # modules on the way to its calls are copied, and their forwards skipped.
+            # Traced, the calls' unused results are dropped from the graph.
             memo: dict[int, nn.Module] = {}
-            module = shadow(call.module, memo)
+            if self.narrow:
+                module = _shadow_to(call.module, {id(m) for m in modules}, memo)
+            else:
+                module = shadow(call.module, memo)
             shadows = {id(m) for m in memo.values()}
             modules = [memo.get(id(m), m) for m in modules]
             for m in {id(m): m for m in modules if id(m) in shadows}.values():
@@ -282,6 +289,25 @@ class Vmapped(Layer):
         in_dims = (None, 0, 0, 0) + (0,) * len(xs)
         g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, in_cots, outs, *xs)
         return {call.names[o]: v for o, v in g.items()}
+
+
+def _shadow_to(module: nn.Module, called: set[int], memo: dict[int, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` with dicts of its own, holding copies of the
+    submodules on the way to the ``called`` ones and the module's own others."""
+    done = memo.get(id(module))
+    if done is not None:
+        return done
+    clone = copy.copy(module)
+    memo[id(module)] = clone
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    clone._modules = {
+        k: _shadow_to(m, called, memo)
+        if m is not None and any(id(x) in called for x in m.modules())
+        else m
+        for k, m in module._modules.items()
+    }
+    return clone
 
 
 def adopt_read_directly(calls: list[Call], params: Params) -> None:
