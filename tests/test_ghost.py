@@ -749,12 +749,14 @@ def test_the_narrow_fallback_compiled_with_inductor_in_one_graph():
 @pytest.mark.parametrize("keyword", [False, True], ids=["narrow", "whole"])
 @pytest.mark.filterwarnings("ignore:fg.ghost_clip. the vmap fallback")
 def test_two_threads_rerunning_one_model_and_a_plain_forward_beside_them(keyword):
-    """The eager rerun runs on a shadow of the module (its own module objects, whose
-    calls skip their forwards): two threads taking ghost steps on one model and a
-    third calling it plainly all get their single-threaded results, and no module of
-    the model holds an attribute of funcgrad's afterwards (the user's own instance
-    forward stays theirs). The whole-model fallback (``keyword``) reran on the module
-    itself, where another thread's fg.call swaps tensors: wrong gradients before."""
+    """A fallback's eager rerun swaps tensors in the module itself, as fg.call does, and
+    takes turns with fg.call's forwards through the same model; the calls the rerun
+    makes skip their forwards in its own thread only. Two threads taking ghost steps on
+    one model and a third running fg.call forwards all get their single-threaded
+    results, and no module of the model holds an attribute of funcgrad's afterwards
+    (the user's own instance forward stays theirs). Before: wrong gradients from the
+    whole-model fallback (``keyword``), which swapped tensors under another thread's
+    fg.call."""
     import threading
 
     model, x, y = _root_vit(keyword)
@@ -765,7 +767,7 @@ def test_two_threads_rerunning_one_model_and_a_plain_forward_beside_them(keyword
     xs = [x * (1 + i / 10) for i in range(4)]
     want = [fn(params, xi, y)[0] for xi in xs]
     with torch.no_grad():
-        plain = [model(xi) for xi in xs]
+        plain = [fg.call(model, params, xi) for xi in xs]
     got: dict = {}
 
     def ghost(t):
@@ -773,7 +775,7 @@ def test_two_threads_rerunning_one_model_and_a_plain_forward_beside_them(keyword
 
     def forward():
         with torch.no_grad():
-            got["plain"] = [model(xi) for _ in range(30) for xi in xs]
+            got["plain"] = [fg.call(model, params, xi) for _ in range(30) for xi in xs]
 
     threads = [threading.Thread(target=f, args=a) for f, a in
                ((ghost, ("a",)), (ghost, ("b",)), (forward, ()))]  # fmt: skip
@@ -790,6 +792,71 @@ def test_two_threads_rerunning_one_model_and_a_plain_forward_beside_them(keyword
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == ["norm"]
     del model.norm.forward
     assert model.norm.forward == own
+
+
+def test_a_parameter_its_module_calls_and_other_code_reads_is_refused():
+    """A tied head written as ``h @ emb.weight.T`` next to ``emb(idx)``: the read is
+    outside any call of the embedding, so its share of every sample's gradient would be
+    missing (silently, before: 0.08 off the loop's clipped gradient)."""
+
+    class TiedDirect(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mix = nn.Embedding(7, 4), nn.Linear(4, 4)
+
+        def forward(self, idx):
+            return torch.tanh(self.mix(self.emb(idx))).mean(1) @ self.emb.weight.T
+
+    model = TiedDirect().double()
+    with pytest.raises(ValueError, match=re.escape(
+        "fg.ghost_clip: parameter 'emb.weight' is used by the calls of the module"
+    )):  # fmt: skip
+        ghost_gradients(_loss(model), False, C, "mean")(
+            fg.params(model).views(), torch.randint(0, 7, (5, 3)), torch.randint(0, 7, (5,))
+        )
+
+
+class _Gate(nn.Module):
+    """Multiplies by a tensor it gets from elsewhere (its caller's parameter), not
+    through its arguments."""
+
+    def __init__(self, get) -> None:
+        super().__init__()
+        self.get = get
+
+    def forward(self, x):
+        return x * self.get()
+
+
+def test_a_call_that_reads_its_callers_parameter_makes_the_caller_rerun_whole(monkeypatch):
+    """The caller's narrow rerun would miss the gate's use of its parameter (its call
+    returns what it returned): the probe sees the read, and the caller's whole subtree
+    reruns; equal to a loop over samples."""
+    from funcgrad.step import _ghost
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.g = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+            self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+            self.gate = _Gate(lambda: self.g)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.fc(self.gate(x)) + self.g))
+
+    model = Outer().double()
+    params = fg.params(model).views()
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,))
+    taken = []
+    real = _ghost.layer_of
+    monkeypatch.setattr(_ghost, "layer_of", lambda c, n: taken.append(real(c, n)) or taken[-1])
+    with pytest.warns(UserWarning, match="vmap fallback for the root module"):
+        got, _, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params, x, y)
+    assert [t.narrow for t in taken if t.call.module is model] == [False]
+    want, _ = _loop_reference(model, params, x, y, C)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
 
 
 def test_a_root_fallback_that_cannot_be_narrowed_reruns_the_model_and_warns_once():

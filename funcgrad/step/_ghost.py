@@ -32,6 +32,7 @@ signature; traced by ``torch.compile`` it is a forward whose results are unused.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,13 +42,14 @@ from torch.func import grad
 
 from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import Gradients, LossFn, Params, clip_factor
-from ._ghost_layers import adopt_read_directly, layer_of, report_fallbacks
+from ._ghost_layers import Vmapped, adopt_read_directly, layer_of, report_fallbacks
 from ._ghost_tap import (
     _INSTALLED,
     IN,
     IN_FIXED,
     OUT,
     Call,
+    DirectReads,
     Passing,
     Shapes,
     broadcast_lead,
@@ -80,9 +82,11 @@ def _pass_shapes(
     rows: int,
     meta: bool,
     shared: Sequence[bool],
-) -> tuple[Shapes, list[str], list[str]]:
+    watch: Any = None,
+) -> tuple[Shapes, list[str], list[str], set[str]]:
     """One probe pass with the batch tensors at ``rows`` rows: the tapped entries' shapes,
-    kinds and modules."""
+    kinds and modules, and the parameters their modules' calls reached. ``watch``: a
+    :class:`DirectReads` mode to run the pass under (eagerly)."""
 
     def resized(t: Any) -> Any:
         if not isinstance(t, Tensor):
@@ -95,11 +99,15 @@ def _pass_shapes(
         return torch.cat([t, t[: rows - n]])
 
     p = {k: torch.empty_like(v, device="meta") for k, v in params.items()} if meta else params
-    with Passing("probe", list(p.items()), rows) as tap, torch.no_grad():
+    named = list(p.items())
+    with Passing("probe", named, rows) as tap, torch.no_grad():
         tap.shapes, tap.owners = [], []
         tap.plan = [(sh, False, OUT) for sh in shared]
-        loss_fn(p, *(resized(b) for b in batch))
-        return tap.shapes, tap.kinds, tap.owners
+        if watch is not None:
+            watch.ids = {id(t): name for name, t in named}
+        with contextlib.nullcontext() if watch is None else watch:
+            loss_fn(p, *(resized(b) for b in batch))
+        return tap.shapes, tap.kinds, tap.owners, tap.reached
 
 
 def _plan(at_n: Shapes, at_more: Shapes, n: int, kinds: list[str]) -> Plan:
@@ -137,12 +145,22 @@ def _plan(at_n: Shapes, at_more: Shapes, n: int, kinds: list[str]) -> Plan:
 
 
 def _probe(
-    loss_fn: LossFn, params: Params, batch: tuple[Any, ...], n: int, cache: dict[Any, Plan]
+    loss_fn: LossFn,
+    params: Params,
+    batch: tuple[Any, ...],
+    n: int,
+    cache: dict[Any, Plan],
+    wide: set[int],
 ) -> Plan:
     """What the tap pass will tap, in call order, found by two probe passes at ``n`` and
     ``n + 1`` rows: a dimension that follows the rows is the batch. Eagerly on meta
     tensors, cached in ``cache`` (one per ghost step) by the inputs' signature; traced,
-    forwards whose results are unused."""
+    forwards whose results are unused.
+
+    Eagerly the first pass also watches the parameters' uses (:class:`DirectReads`): a
+    parameter its module's calls reach and some other code reads too is refused (that
+    share of its gradient would be missing), and a module whose parameters a call it
+    makes reads goes into ``wide`` (its fallback reruns its whole subtree)."""
     key = None
     if not compiling():
         key = _signature(params, batch)
@@ -157,10 +175,13 @@ def _probe(
     # the next shared one (once per shared call, plus one).
     settled: list[bool] = []
     owners: list[str] = []
+    watch = DirectReads(()) if key is not None else None
+    reached: set[str] = set()
     for _ in range(1 + 4096):
         try:
-            (at_n, kinds, named), (at_more, _, _) = (
-                _pass_shapes(loss_fn, params, batch, n, r, meta, settled) for r in (n, n + 1)
+            (at_n, kinds, named, reached), (at_more, _, _, _) = (
+                _pass_shapes(loss_fn, params, batch, n, r, meta, settled, watch if r == n else None)
+                for r in (n, n + 1)
             )
         except (NotImplementedError, RuntimeError) as err:  # an op without a meta kernel
             if meta:
@@ -175,6 +196,20 @@ def _probe(
         if not later:
             break
         settled = now[: later[0] + 1]
+    if watch is not None:
+        both = sorted(set(watch.outside) & reached)
+        if both:
+            raise ValueError(
+                f"fg.ghost_clip: parameter '{both[0]}' is used by the calls of the module "
+                f"that owns it and also read directly by {watch.outside[both[0]]} (an "
+                "operation on the parameter outside that module's forward, such as a "
+                "tied output head written as h @ emb.weight.T). Ghost clipping sees a "
+                "parameter through its module's calls, so that use's share of each "
+                "sample's gradient would be missing. Call the module instead (an "
+                "nn.Linear whose weight is the embedding's), or use "
+                "per_sample=fg.clip_by_global_norm(max_norm)."
+            )
+        wide.update(watch.within)
     if key is not None:
         if len(cache) > 64:  # shapes that keep changing: keep the cache small
             cache.clear()
@@ -211,6 +246,7 @@ def ghost_gradients(
     each sample's gradient clipped to ``max_norm`` (see the module docstring); ``loss``
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
     cache: dict[Any, Plan] = {}
+    wide: set[int] = set()  # id(module): its fallback reruns its whole subtree (_probe)
     told: set[str] = set()  # the fallbacks already reported by this step
 
     def fn(params: Params, *batch: Any) -> Gradients:
@@ -221,7 +257,7 @@ def ghost_gradients(
 
     def ghostly(params: Params, *batch: Any) -> Gradients:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
-        shapes = _probe(loss_fn, params, batch, n, cache)
+        shapes = _probe(loss_fn, params, batch, n, cache, wide)
         if not shapes:
             raise ValueError(
                 "fg.ghost_clip: no module with trained parameters ran in the loss: "
@@ -283,6 +319,9 @@ def ghost_gradients(
                 e.grads = [g.unsqueeze(1) for g in e.grads]
         adopt_read_directly(calls, params)
         layers = [layer_of(c, n) for c in calls]
+        for layer in layers:
+            if isinstance(layer, Vmapped) and id(layer.call.module) in wide:
+                layer.narrow = False
         if not compiling():
             report_fallbacks(layers, params, told)
         reached: dict[str, int] = {}

@@ -10,7 +10,7 @@ any other module (``Vmapped``, the fallback, reported once per module).
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
 import warnings
 from typing import Any
@@ -22,8 +22,7 @@ from torch.func import functional_call, vjp, vmap
 
 from .._compat import compiling, tree_flatten, tree_unflatten
 from ..core._base import Params
-from ._ghost_tap import Call, float_leaves, module_path, skipping, stubbed
-from ._model import shadow
+from ._ghost_tap import Call, float_leaves, module_path, rerunning, stubbed
 
 
 class Layer:
@@ -240,21 +239,6 @@ class Vmapped(Layer):
         module, modules = call.module, [k.module for k in kids]
         if self.narrow:  # the calls' own tensors are never used: only the module's own
             rest = {k: t for k, t in rest.items() if "." not in k}
-        if not compiling():
-            # Eagerly the rerun runs on a shadow of the module (new module objects, dicts
-            # of their own, as fg.call's), so functional_call swaps tensors there and not
-            # in the module another thread's fg.call may be running; narrow, only the
-            # modules on the way to its calls are copied, and their forwards skipped.
-            # Traced, the calls' unused results are dropped from the graph.
-            memo: dict[int, nn.Module] = {}
-            if self.narrow:
-                module = _shadow_to(call.module, {id(m) for m in modules}, memo)
-            else:
-                module = shadow(call.module, memo)
-            shadows = {id(m) for m in memo.values()}
-            modules = [memo.get(id(m), m) for m in modules]
-            for m in {id(m): m for m in modules if id(m) in shadows}.values():
-                skipping(m)
 
         def one(
             mp: dict[str, Tensor], cot: list[Tensor], kin: list[Tensor],
@@ -287,27 +271,12 @@ class Vmapped(Layer):
 
         xs = [t for t, isb in zip(arg_leaves, batched, strict=True) if isb]
         in_dims = (None, 0, 0, 0) + (0,) * len(xs)
-        g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, in_cots, outs, *xs)
+        # Eagerly the rerun swaps tensors in the module itself, as fg.call does: it takes
+        # turns with fg.call's forwards through the same model, and the calls it makes
+        # skip their forwards meanwhile (rerunning). Traced, their results drop out.
+        with contextlib.nullcontext() if compiling() else rerunning(call.root, modules):
+            g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, in_cots, outs, *xs)
         return {call.names[o]: v for o, v in g.items()}
-
-
-def _shadow_to(module: nn.Module, called: set[int], memo: dict[int, nn.Module]) -> nn.Module:
-    """A shallow copy of ``module`` with dicts of its own, holding copies of the
-    submodules on the way to the ``called`` ones and the module's own others."""
-    done = memo.get(id(module))
-    if done is not None:
-        return done
-    clone = copy.copy(module)
-    memo[id(module)] = clone
-    clone._parameters = dict(module._parameters)
-    clone._buffers = dict(module._buffers)
-    clone._modules = {
-        k: _shadow_to(m, called, memo)
-        if m is not None and any(id(x) in called for x in m.modules())
-        else m
-        for k, m in module._modules.items()
-    }
-    return clone
 
 
 def adopt_read_directly(calls: list[Call], params: Params) -> None:

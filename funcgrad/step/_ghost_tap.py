@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from .._compat import tree_flatten, tree_unflatten
 from ._errors import PER_SAMPLE_BATCHNORM
+from ._model import lock_of
 
 Shapes = list[list[tuple[tuple[int, ...], torch.dtype]]]
 """The tapped tensors' shapes and dtypes, one list per tapped call, in order."""
@@ -92,6 +94,7 @@ class Call:
         # calls it made itself (None: it has no children).
         self.state: dict[str, Tensor] = {}
         self.children: list[Child] | None = None
+        self.root = module  # the module the loss called (fg.call's), this one within it
         self.shared = False  # called without the batch (a positional embedding on arange)
         self.lead = False  # shared, its outputs lead with a 1 that takes the batch
         self.leaves: list[Any] = []  # (args, kwargs) flattened, while torch.func unwraps
@@ -118,6 +121,7 @@ class _Tap(threading.local):
         self.shapes: Shapes | None = None
         self.kinds: list[str] = []  # the probe's entries' kinds (OUT, IN)
         self.owners: list[str] = []  # the probe's entries: each module's path
+        self.reached: set[str] = set()  # the probe's: parameters reached by their calls
         self.zs: Sequence[Tensor] = ()
         self.used = 0
         self.calls: list[Call] | None = None
@@ -231,6 +235,7 @@ def _tapped_output(module: nn.Module, frame: _Frame, kwargs: Any, args: Any, out
         _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
         _TAP.kinds.append(OUT)
         _TAP.owners.append(module_path(names))
+        _TAP.reached.update(names.values())
         if index < len(_TAP.plan) and _TAP.plan[index][0]:  # as the tap pass will: batched
             new = list(leaves)
             lead = broadcast_lead([tuple(leaves[i].shape) for i in slots])
@@ -248,6 +253,7 @@ def _tapped_output(module: nn.Module, frame: _Frame, kwargs: Any, args: Any, out
         _TAP.used += 1
     call = Call(module, names, args, kwargs, len(slots))
     call.shared, call.lead, call.children = shared, lead, frame.children
+    call.root = next((f.module for f in _TAP.stack if f is not None), module)
     call.state = {  # a module in _RULES may still need it: see layer_of
         **dict(module.named_parameters(remove_duplicate=False)),
         **dict(module.named_buffers(remove_duplicate=False)),
@@ -273,25 +279,51 @@ def _stub_output(module: nn.Module) -> Any:
     return tree_unflatten(leaves, child.spec)
 
 
-def skipping(module: nn.Module) -> None:
-    """Give ``module`` (a shadow: a copy private to one rerun) a forward that does
-    nothing in its caller's rerun, where :func:`_stub_output` replaces its output, and
-    is its own everywhere else (a call at another depth)."""
-    real = module.forward
+def _skipping(real: Any) -> Any:
+    """A forward that does nothing in this thread's rerun of its caller, where
+    :func:`_stub_output` replaces its output, and is ``real`` everywhere else (other
+    threads, a call at another depth)."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if _TAP.mode == "stub" and len(_TAP.stack) == 2:
             return None
         return real(*args, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    return forward
+
+
+class rerunning:
+    """Eagerly, around one module's per-sample rerun: the lock under which ``fg.call``'s
+    forwards through ``root`` take turns (the rerun swaps tensors in the module, as they
+    do), and the forwards of the ``modules`` it calls skipped in this thread (an
+    instance ``forward`` while it runs; one the user set is put back after)."""
+
+    def __init__(self, root: nn.Module, modules: list[nn.Module]) -> None:
+        self.root, self.modules = root, list({id(m): m for m in modules}.values())
+        self.saved: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> None:
+        self.lock = lock_of(self.root)
+        self.lock.acquire()
+        for m in self.modules:
+            self.saved.append((m, m.__dict__.get("forward")))
+            m.forward = _skipping(m.forward)  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        for m, own in reversed(self.saved):
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own  # type: ignore[method-assign]
+        self.saved = []
+        self.lock.release()
 
 
 class stubbed:
     """The rerun of one module for one sample (under ``vmap``): each call it makes
     itself returns ``outs`` (per :class:`Child`, its output's tensors, the sample's);
     ``captured`` gathers those calls' floating positional inputs. ``modules``: the
-    module each call is made on in the rerun (a shadow's, eagerly)."""
+    module each call is made on in the rerun."""
 
     def __init__(
         self, modules: list[nn.Module], children: list[Child], outs: list[list[Tensor]]
@@ -314,6 +346,48 @@ class stubbed:
                 "fewer calls than in the tap pass: its forward must call the same modules "
                 "in the same order every time."
             )
+
+
+_NOT_A_USE = ("detach", "detach_", "requires_grad_", "data", "grad")
+"""Reads of a parameter that do not differentiate through it (by name; ``data`` and
+``grad`` are attribute reads)."""
+
+
+class DirectReads(TorchFunctionMode):
+    """During an eager probe pass: the trained parameters an operation uses outside the
+    forward of the module that owns them. ``outside``: read where no call of the owner
+    is in progress (in the loss, by a sibling or an ancestor); ``within``: the owners
+    whose parameters a call they make reads (not through its arguments' taps)."""
+
+    def __init__(self, named: Sequence[tuple[str, Tensor]]) -> None:
+        super().__init__()
+        self.ids = {id(t): name for name, t in named}
+        self.outside: dict[str, str] = {}  # name -> the reader
+        self.within: set[int] = set()  # id(owner module)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name in _NOT_A_USE or not any(isinstance(t, Tensor) for t in tree_flatten(out)[0]):
+            return out
+        frames = [f for f in _TAP.stack if f is not None]
+        for t in tree_flatten((args, kwargs))[0]:
+            param = self.ids.get(id(t)) if isinstance(t, Tensor) else None
+            if param is None:
+                continue
+            owner = next(
+                (i for i, f in enumerate(frames)
+                 if any(v is t for v in f.module._parameters.values())),
+                None,
+            )  # fmt: skip
+            if owner is None:
+                reader = type(frames[-1].module).__name__ if frames else "the loss"
+                self.outside.setdefault(param, reader)
+            elif owner != len(frames) - 1:
+                self.within.add(id(frames[owner].module))
+        return out
 
 
 class _Installed:
@@ -367,7 +441,7 @@ class Passing:
                 "after the other."
             )
         _TAP.mode, _TAP.named, _TAP.batch, _TAP.used = self.mode, self.named, self.batch, 0
-        _TAP.stack, _TAP.entries, _TAP.at, _TAP.kinds = [], [], 0, []
+        _TAP.stack, _TAP.entries, _TAP.at, _TAP.kinds, _TAP.reached = [], [], 0, [], set()
         return _TAP
 
     def __exit__(self, *exc: object) -> None:

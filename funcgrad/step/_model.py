@@ -266,9 +266,9 @@ def call(
     # 20-layer MLP): it is held back until the forward is done, then delivered.
     watch = _WATCH.on and buffers is None
     # A shadow is this call's own (made below): no other thread swaps in it, no lock.
-    turns: Any = contextlib.nullcontext() if _SHADOW.on else _lock_of(model)
+    turns: Any = contextlib.nullcontext() if _SHADOW.on else lock_of(model)
     if _SHADOW.on:
-        model = shadow(model, {})
+        model = _shadow(model, {})
     with turns, sigint_held():
         before = [b._version for b in bufs] if watch else None
         out = _call(model, params, args, kwargs, buffers)
@@ -307,7 +307,7 @@ def shadowing() -> Iterator[None]:
         _SHADOW.on = was
 
 
-def shadow(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+def _shadow(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     """A shallow copy of ``module`` and its submodules (a module reached twice is one
     shadow, so shared modules stay shared), with dicts of its own."""
     done = memo.get(id(module))
@@ -317,7 +317,9 @@ def shadow(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     memo[id(module)] = clone
     clone._parameters = dict(module._parameters)
     clone._buffers = dict(module._buffers)
-    clone._modules = {k: None if m is None else shadow(m, memo) for k, m in module._modules.items()}
+    clone._modules = {
+        k: None if m is None else _shadow(m, memo) for k, m in module._modules.items()
+    }
     return clone
 
 
@@ -325,7 +327,7 @@ _LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyD
 _LOCKS_GUARD = threading.Lock()
 
 
-def _lock_of(model: nn.Module) -> threading.RLock:
+def lock_of(model: nn.Module) -> threading.RLock:
     with _LOCKS_GUARD:
         lock = _LOCKS.get(model)
         if lock is None:
