@@ -808,12 +808,16 @@ def test_a_parameter_its_module_calls_and_other_code_reads_is_refused():
             return torch.tanh(self.mix(self.emb(idx))).mean(1) @ self.emb.weight.T
 
     model = TiedDirect().double()
-    with pytest.raises(ValueError, match=re.escape(
-        "fg.ghost_clip: parameter 'emb.weight' is used by the calls of the module"
-    )):  # fmt: skip
-        ghost_gradients(_loss(model), False, C, "mean")(
-            fg.params(model).views(), torch.randint(0, 7, (5, 3)), torch.randint(0, 7, (5,))
-        )
+    batch = (torch.randint(0, 7, (5, 3)), torch.randint(0, 7, (5,)))
+    refused = "fg.ghost_clip: parameter 'emb.weight' is used by the calls of the module"
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        ghost_gradients(_loss(model), False, C, "mean")(fg.params(model).views(), *batch)
+    # compiled: the traced probe watches nothing, so the step probes eagerly first
+    step = fg.make_step(_loss(model), fg.sgd(lr=0.1), per_sample=fg.ghost_clip(C),
+                        compile={"backend": "eager"})  # fmt: skip
+    params = fg.params(model)
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        step(params, fg.sgd(lr=0.1).init(params), *batch)
 
 
 class _Gate(nn.Module):

@@ -255,6 +255,15 @@ def ghost_gradients(
         with _INSTALLED:
             return ghostly(params, *batch)
 
+    def check(params: Params, *batch: Any) -> None:
+        """The eager probe (shapes, and the parameters' uses), for a step about to be
+        traced with these inputs' structure: the traced probe watches nothing."""
+        with _INSTALLED:
+            n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
+            _probe(loss_fn, params, batch, n, cache, wide)
+
+    fn.check = check  # type: ignore[attr-defined]
+
     def ghostly(params: Params, *batch: Any) -> Gradients:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
         shapes = _probe(loss_fn, params, batch, n, cache, wide)

@@ -388,6 +388,9 @@ def make_step(
             checks(params, state, args)
             return core.pure_step(params, state, *args)
         fresh = checks(params, state, args)
+        # A traced ghost probe watches no parameter use: fg.ghost_clip's eager one first.
+        if fresh and scope in ("step", "gradients") and hasattr(core.gradients, "check"):
+            core.gradients.check(params.views() if isinstance(params, Flat) else params, *args)
         if pure_buffers and isinstance(args[0], Mapping):
             # Not donated: the given buffers are not written, and a compiled step sees
             # the same aliasing on every call (the first call's fg.buffers(model) are
