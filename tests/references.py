@@ -320,3 +320,28 @@ def torch_run(model, opt, steps=TWIN_STEPS, scheduler=None, lrs=None):
         if scheduler is not None:
             scheduler.step()
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def clipped_loop(
+    loss_fn: Callable[..., torch.Tensor], params: dict, x: torch.Tensor, y: torch.Tensor,
+    max_norm: float,
+) -> tuple[dict, torch.Tensor]:  # fmt: skip
+    """Per-sample clipping by a loop: each sample alone through plain autograd, its
+    gradient clipped to ``max_norm`` as ``fg.rules.clip_norm`` does, then averaged.
+    Returns the averaged gradients and the samples' norms."""
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    norms = []
+    for i in range(x.shape[0]):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+        loss = loss_fn(leaves, x[i : i + 1], y[i : i + 1])
+        gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        gs = [
+            torch.zeros_like(p) if g is None else g
+            for g, p in zip(gs, leaves.values(), strict=True)
+        ]
+        norm = torch.sqrt(sum(g.square().sum() for g in gs))
+        norms.append(norm)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for k, g in zip(leaves, gs, strict=True):
+            total[k] += coef * g / x.shape[0]
+    return total, torch.stack(norms)

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from references import clipped_loop
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
@@ -252,22 +253,7 @@ def _loss(model):
 
 def _loop_reference(model, params, x, y, max_norm):
     """Each sample alone through plain autograd, clipped as clip_norm does, averaged."""
-    total = {k: torch.zeros_like(v) for k, v in params.items()}
-    norms = []
-    for i in range(x.shape[0]):
-        leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
-        loss = _loss(model)(leaves, x[i : i + 1], y[i : i + 1])
-        gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        gs = [
-            torch.zeros_like(p) if g is None else g
-            for g, p in zip(gs, leaves.values(), strict=True)
-        ]
-        norm = torch.sqrt(sum(g.square().sum() for g in gs))
-        norms.append(norm)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for k, g in zip(leaves, gs, strict=True):
-            total[k] += coef * g / x.shape[0]
-    return total, torch.stack(norms)
+    return clipped_loop(_loss(model), params, x, y, max_norm)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
