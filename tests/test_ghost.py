@@ -62,15 +62,17 @@ class PositionalRow(Positional):
 
 
 class Attention(nn.Module):
-    """torch's own attention module (torchvision's ViT is built on it)."""
+    """torch's own attention module (torchvision's ViT is built on it): its own rule;
+    with ``need_weights=True`` (the weights are an output) the vmap fallback."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: bool = False) -> None:
         super().__init__()
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.head = nn.Linear(8, 3)
+        self.weights = weights
 
     def forward(self, x):
-        h, _ = self.attn(x, x, x, need_weights=False)
+        h, _ = self.attn(x, x, x, need_weights=self.weights)
         return self.head(h).mean(1)
 
 
@@ -219,9 +221,14 @@ def _models():
                 torch.randint(0, 3, (6,), generator=g),
             ),
         ),
-        # reads out_proj.weight without calling out_proj: the vmap of the whole module
+        # reads out_proj.weight without calling out_proj: a rule of its own, and with
+        # need_weights=True the vmap of the whole module
         "multihead-attention": (
             Attention(),
+            lambda g: (torch.randn(6, 5, 8, generator=g), torch.randint(0, 3, (6,), generator=g)),
+        ),
+        "multihead-attention-weights": (
+            Attention(weights=True),
             lambda g: (torch.randn(6, 5, 8, generator=g), torch.randint(0, 3, (6,), generator=g)),
         ),
         "tied-twice-padding": (
@@ -265,7 +272,7 @@ def test_ghost_gradients_equal_the_vmap_path_and_a_loop_over_samples(name):
         x = x.double()
     # where the vmap fallback reruns most of the model, the step says so (once); Scaled's
     # reruns only its own code (its call of inner returns what it returned)
-    heavy = name == "multihead-attention"
+    heavy = name == "multihead-attention-weights"
     with pytest.warns(UserWarning, match="vmap fallback") if heavy else contextlib.nullcontext():
         ghost, loss, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params.views(), x, y)
     want, norms = _loop_reference(model, params.views(), x, y, C)
@@ -538,9 +545,10 @@ def test_train_mode_batchnorm_is_refused_with_the_per_sample_message():
              torch.randint(0, 2, (5,)))  # fmt: skip
 
 
-def test_eval_batchnorm_and_grouped_convolutions_take_their_own_rules(monkeypatch):
-    """Eval-mode BatchNorm (from its running statistics) and grouped / depthwise
-    convolutions no longer fall back to a vmap of the module; a BatchNorm without
+def test_eval_batchnorm_grouped_convolutions_and_attention_take_their_own_rules(monkeypatch):
+    """Eval-mode BatchNorm (from its running statistics), grouped / depthwise
+    convolutions and nn.MultiheadAttention no longer fall back to a vmap of the module
+    (they did before); a BatchNorm without
     running statistics (batch statistics in eval mode too) is refused."""
     from funcgrad.step import _ghost, _ghost_layers
 
@@ -551,6 +559,11 @@ def test_eval_batchnorm_and_grouped_convolutions_take_their_own_rules(monkeypatc
     x, y = make(torch.Generator().manual_seed(1))
     ghost_gradients(_loss(model), False, C, "mean")(fg.params(model).views(), x.double(), y)
     assert len(taken) == 6 and not any(isinstance(t, _ghost_layers.Vmapped) for t in taken)
+    taken.clear()  # nn.MultiheadAttention(need_weights=False): its own rule too
+    model, make = MODELS["multihead-attention"]
+    x, y = make(torch.Generator().manual_seed(1))
+    ghost_gradients(_loss(model), False, C, "mean")(fg.params(model).views(), x.double(), y)
+    assert len(taken) == 2 and not any(isinstance(t, _ghost_layers.Vmapped) for t in taken)
     loose = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, track_running_stats=False),
                           nn.Linear(6, 2)).double().eval()  # fmt: skip
     with pytest.raises(RuntimeError, match=re.escape(

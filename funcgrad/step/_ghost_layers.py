@@ -332,6 +332,11 @@ def report_fallbacks(layers: list[Layer], params: Params, told: set[str]) -> Non
 def layer_of(call: Call, n: int) -> Layer:
     """The fastest exact rule for this call's module (else :class:`Vmapped`)."""
     m, args = call.module, call.args
+    if type(m) is nn.MultiheadAttention:
+        from ._ghost_attention import attention_layer  # (it builds on _Matmul, here)
+
+        if (attention := attention_layer(call, n)) is not None:
+            return attention
     x = args[0] if len(args) == 1 and not call.kwargs and isinstance(args[0], Tensor) else None
     only = set(call.names) <= {"weight", "bias"}
     if x is None or not only or call.n_out != 1:
