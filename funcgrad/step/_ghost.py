@@ -14,9 +14,11 @@ norm ``C`` and averages, as ``per_sample=fg.clip_by_global_norm(C)`` does under
 3. from each module's inputs ``a`` and ``b``, every sample's squared gradient norm
    (``_ghost_layers._Matmul``: ``|a|^2 |b|^2`` per position, or the Gram form
    ``sum((a a^T) * (b b^T))`` over a sequence, or the per-sample matrix, whichever
-   costs less; convolutions through ``unfold``; embeddings over equal indices;
-   normalization layers from their normalized input; any other module through a
-   ``vmap`` over its own parameters only);
+   costs less; convolutions through ``unfold`` or a grouped convolution backward;
+   embeddings over equal indices; normalization layers from their normalized input;
+   attention through a batched ``vjp`` of its core (``_ghost_attention``); any other
+   module through a ``vmap`` of its own code only, the calls it makes returning what
+   they returned, their inputs tapped in step 1 by a global forward pre-hook);
 4. the clip factors ``c_i = min(1, C / (norm_i + 1e-6))`` (``core._base.clip_factor``,
    ``fg.rules.clip_norm``'s), and
    the gradients ``sum_i c_i g_i / B`` from the same ``a`` and ``b`` (book-keeping: no
@@ -27,7 +29,8 @@ per-sample gradients formed from each call and summed before the norm, as the
 per-sample gradient of the whole loss has it.
 
 The shape probe (the ``z``'s shapes) is a forward on meta tensors, cached per input
-signature; traced by ``torch.compile`` it is a forward whose results are unused.
+signature; traced by ``torch.compile`` it is a forward whose results are unused. The
+eager probe also watches every use of every trained parameter (``DirectReads``).
 """
 
 from __future__ import annotations
