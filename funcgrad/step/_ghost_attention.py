@@ -24,7 +24,7 @@ from torch.func import vjp
 from ._ghost_layers import Layer, _Matmul
 from ._ghost_tap import Call
 
-_NAMES = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+_NAMES = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
 
 
 def attention_layer(call: Call, n: int) -> Layer | None:
@@ -47,7 +47,7 @@ def attention_layer(call: Call, n: int) -> Layer | None:
         and not kw
         and call.n_out == 1
         and not call.shared
-        and set(call.names) <= _NAMES
+        and set(call.names) <= set(_NAMES)
         and "in_proj_weight" in call.state
     ):
         return None
