@@ -819,6 +819,37 @@ def test_a_parameter_its_module_calls_and_other_code_reads_is_refused():
         step(params, fg.sgd(lr=0.1).init(params), *batch)
 
 
+def test_a_parameter_no_call_reaches_read_by_a_higher_module_is_refused():
+    """Nothing calls ``a.b``; the root reads ``a.b.weight`` directly, but ghost clipping
+    takes that parameter's per-sample gradients from the smallest called module holding
+    it (``a``, whose own code never reads it): silently zero before, now refused."""
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b, self.scale = nn.Linear(4, 4, bias=False), nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.scale
+
+    class Reader(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.head = Holder(), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.a(x) @ self.a.b.weight.T))
+
+    model = Reader().double()
+    with pytest.raises(ValueError, match=re.escape(
+        "fg.ghost_clip: parameter 'a.b.weight' is read directly by Reader, and no call"
+    )):  # fmt: skip
+        ghost_gradients(_loss(model), False, C, "mean")(
+            fg.params(model).views(), torch.randn(5, 4, dtype=torch.float64),
+            torch.randint(0, 3, (5,)),
+        )  # fmt: skip
+
+
 class _Gate(nn.Module):
     """Multiplies by a tensor it gets from elsewhere (its caller's parameter), not
     through its arguments."""

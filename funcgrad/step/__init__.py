@@ -1,8 +1,9 @@
 """The training step: ``fg.make_step`` (``_step``; its gradient functions in
 ``_gradients``, ``compile="async"`` in ``_async``), ghost clipping (``_ghost``; its
-global hooks in ``_ghost_tap``; each module type's norms and sums in
-``_ghost_layers``), what it checks before tracing (``_checks``), its explained errors
-(``_errors``), per-sample gradients (``_per_sample``) and the way between an
-``nn.Module`` and dicts of tensors (``_model``: ``fg.params``, ``fg.call``). Imports
-only ``funcgrad.core``. The public names are ``fg.*``.
+global hooks in ``_ghost_tap``, its watch over parameter uses in ``_ghost_watch``;
+each module type's norms and sums in ``_ghost_layers`` and ``_ghost_attention``), what
+it checks before tracing (``_checks``), its explained errors (``_errors``), per-sample
+gradients (``_per_sample``) and the way between an ``nn.Module`` and dicts of tensors
+(``_model``: ``fg.params``, ``fg.call``). Imports only ``funcgrad.core``. The public
+names are ``fg.*``.
 """

@@ -52,12 +52,12 @@ from ._ghost_tap import (
     IN_FIXED,
     OUT,
     Call,
-    DirectReads,
     Passing,
     Shapes,
     broadcast_lead,
     hooked,
 )
+from ._ghost_watch import DirectReads
 
 __all__ = ["ghost_gradients", "hooked"]
 
@@ -200,18 +200,7 @@ def _probe(
             break
         settled = now[: later[0] + 1]
     if watch is not None:
-        both = sorted(set(watch.outside) & reached)
-        if both:
-            raise ValueError(
-                f"fg.ghost_clip: parameter '{both[0]}' is used by the calls of the module "
-                f"that owns it and also read directly by {watch.outside[both[0]]} (an "
-                "operation on the parameter outside that module's forward, such as a "
-                "tied output head written as h @ emb.weight.T). Ghost clipping sees a "
-                "parameter through its module's calls, so that use's share of each "
-                "sample's gradient would be missing. Call the module instead (an "
-                "nn.Linear whose weight is the embedding's), or use "
-                "per_sample=fg.clip_by_global_norm(max_norm)."
-            )
+        watch.refuse(reached)
         wide.update(watch.within)
     if key is not None:
         if len(cache) > 64:  # shapes that keep changing: keep the cache small

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from .. import _compat
 from .._compat import tree_flatten, tree_unflatten
@@ -346,48 +345,6 @@ class stubbed:
                 "fewer calls than in the tap pass: its forward must call the same modules "
                 "in the same order every time."
             )
-
-
-_NOT_A_USE = ("detach", "detach_", "requires_grad_", "data", "grad")
-"""Reads of a parameter that do not differentiate through it (by name; ``data`` and
-``grad`` are attribute reads)."""
-
-
-class DirectReads(TorchFunctionMode):
-    """During an eager probe pass: the trained parameters an operation uses outside the
-    forward of the module that owns them. ``outside``: read where no call of the owner
-    is in progress (in the loss, by a sibling or an ancestor); ``within``: the owners
-    whose parameters a call they make reads (not through its arguments' taps)."""
-
-    def __init__(self, named: Sequence[tuple[str, Tensor]]) -> None:
-        super().__init__()
-        self.ids = {id(t): name for name, t in named}
-        self.outside: dict[str, str] = {}  # name -> the reader
-        self.within: set[int] = set()  # id(owner module)
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = getattr(func, "__name__", "")
-        if name == "__get__":
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
-        if name in _NOT_A_USE or not any(isinstance(t, Tensor) for t in tree_flatten(out)[0]):
-            return out
-        frames = [f for f in _TAP.stack if f is not None]
-        for t in tree_flatten((args, kwargs))[0]:
-            param = self.ids.get(id(t)) if isinstance(t, Tensor) else None
-            if param is None:
-                continue
-            owner = next(
-                (i for i, f in enumerate(frames)
-                 if any(v is t for v in f.module._parameters.values())),
-                None,
-            )  # fmt: skip
-            if owner is None:
-                reader = type(frames[-1].module).__name__ if frames else "the loss"
-                self.outside.setdefault(param, reader)
-            elif owner != len(frames) - 1:
-                self.within.add(id(frames[owner].module))
-        return out
 
 
 class _Installed:
