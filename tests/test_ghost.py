@@ -258,6 +258,12 @@ def _loss(model):
     return loss
 
 
+def _refused(model, error, message, x, y):
+    """A ghost gradient function on ``model`` raises ``error`` with ``message``."""
+    with pytest.raises(error, match=re.escape(message)):
+        ghost_gradients(_loss(model), False, C, "mean")(fg.params(model).views(), x, y)
+
+
 def _loop_reference(model, params, x, y, max_norm):
     """Each sample alone through plain autograd, clipped as clip_norm does, averaged."""
     return clipped_loop(_loss(model), params, x, y, max_norm)
@@ -566,13 +572,9 @@ def test_eval_batchnorm_grouped_convolutions_and_attention_take_their_own_rules(
     assert len(taken) == 2 and not any(isinstance(t, _ghost_layers.Vmapped) for t in taken)
     loose = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, track_running_stats=False),
                           nn.Linear(6, 2)).double().eval()  # fmt: skip
-    with pytest.raises(RuntimeError, match=re.escape(
-        "fg.ghost_clip: BatchNorm1d built with track_running_stats=False normalizes"
-    )):  # fmt: skip
-        ghost_gradients(_loss(loose), False, C, "mean")(
-            fg.params(loose).views(), torch.randn(4, 4, dtype=torch.float64),
-            torch.randint(0, 2, (4,)),
-        )  # fmt: skip
+    _refused(loose, RuntimeError,
+             "fg.ghost_clip: BatchNorm1d built with track_running_stats=False normalizes",
+             torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 2, (4,)))  # fmt: skip
 
 
 def test_a_parameter_read_outside_its_module_is_a_clear_error():
@@ -841,13 +843,9 @@ def test_a_parameter_no_call_reaches_read_by_a_higher_module_is_refused():
             return self.head(torch.tanh(self.a(x) @ self.a.b.weight.T))
 
     model = Reader().double()
-    with pytest.raises(ValueError, match=re.escape(
-        "fg.ghost_clip: parameter 'a.b.weight' is read directly by Reader, and no call"
-    )):  # fmt: skip
-        ghost_gradients(_loss(model), False, C, "mean")(
-            fg.params(model).views(), torch.randn(5, 4, dtype=torch.float64),
-            torch.randint(0, 3, (5,)),
-        )  # fmt: skip
+    _refused(model, ValueError,
+             "fg.ghost_clip: parameter 'a.b.weight' is read directly by Reader, and no call",
+             torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))  # fmt: skip
 
 
 class _Gate(nn.Module):
