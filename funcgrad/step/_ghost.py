@@ -59,7 +59,7 @@ from ._ghost_tap import (
 )
 from ._ghost_watch import DirectReads
 
-__all__ = ["ghost_gradients", "hooked"]
+__all__ = ["GhostGradients", "ghost_gradients", "hooked"]
 
 
 def _signature(params: Params, batch: tuple[Any, ...]) -> Any:
@@ -178,7 +178,7 @@ def _probe(
     # the next shared one (once per shared call, plus one).
     settled: list[bool] = []
     owners: list[str] = []
-    watch = DirectReads(()) if key is not None else None
+    watch = DirectReads() if key is not None else None
     reached: set[str] = set()
     for _ in range(1 + 4096):
         try:
@@ -231,9 +231,22 @@ def _refuse_prepended(
                 ) from err
 
 
+class GhostGradients:
+    """``fg.ghost_clip``'s gradient function: called as ``(params, *batch) ->
+    Gradients``; :meth:`check` runs its eager probe, which a step about to be traced
+    with these inputs' structure calls first (the traced probe watches no parameter
+    use)."""
+
+    def __init__(self, fn: Callable[..., Gradients], check: Callable[..., None]) -> None:
+        self._fn, self.check = fn, check
+
+    def __call__(self, params: Params, *batch: Any) -> Gradients:
+        return self._fn(params, *batch)
+
+
 def ghost_gradients(
     loss_fn: LossFn, has_aux: bool, max_norm: float, reduction: str
-) -> Callable[..., Gradients]:
+) -> GhostGradients:
     """``fn(params, *batch) -> (grads, loss, None, aux)``: the mean over the batch of
     each sample's gradient clipped to ``max_norm`` (see the module docstring); ``loss``
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
@@ -253,8 +266,6 @@ def ghost_gradients(
         with _INSTALLED:
             n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
             _probe(loss_fn, params, batch, n, cache, wide)
-
-    fn.check = check  # type: ignore[attr-defined]
 
     def ghostly(params: Params, *batch: Any) -> Gradients:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
@@ -366,4 +377,4 @@ def ghost_gradients(
         mean_loss = loss.detach() if reduction == "mean" else loss.detach() / n
         return Gradients(out, mean_loss, None, aux)
 
-    return fn
+    return GhostGradients(fn, check)

@@ -14,8 +14,6 @@ otherwise the vmap fallback.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,7 +22,8 @@ from torch.func import vjp
 from ._ghost_layers import Layer, _Matmul
 from ._ghost_tap import Call
 
-_NAMES = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+_IN = ("in_proj_weight", "in_proj_bias")
+_OUT = ("out_proj.weight", "out_proj.bias")
 
 
 def attention_layer(call: Call, n: int) -> Layer | None:
@@ -47,7 +46,7 @@ def attention_layer(call: Call, n: int) -> Layer | None:
         and not kw
         and call.n_out == 1
         and not call.shared
-        and set(call.names) <= set(_NAMES)
+        and set(call.names) <= {*_IN, *_OUT}
         and "in_proj_weight" in call.state
     ):
         return None
@@ -76,26 +75,23 @@ class _Attention(Layer):
 
         a, back = vjp(core, q, k, v)  # type: ignore[misc]
         grads = back(b @ call.state["out_proj.weight"])
-        names = call.names
         # in_proj's row blocks and out_proj as Linear maps under their own keys
         self.blocks = [
-            _Matmul(_pseudo(call, names, f"in{i}", "in_proj"), n, x, g, w[r].shape)
+            _Matmul(_pseudo(call, f"in{i}", _IN), n, x, g, w[r].shape)
             for i, (x, g, r) in enumerate(zip((q_in, k_in, v_in), grads, rows, strict=True))
         ]
-        self.out = _Matmul(
-            _pseudo(call, names, "out", "out_proj."), n, a, b, call.state["out_proj.weight"].shape
-        )
+        self.out = _Matmul(_pseudo(call, "out", _OUT), n, a, b, call.state[_OUT[0]].shape)
 
     def _merge(
         self, parts: list[dict[str, Tensor]], out: dict[str, Tensor], dim: int, add: bool
     ) -> dict[str, Tensor]:
         merged: dict[str, Tensor] = {}
         names = self.call.names
-        for own, key in (("in_proj_weight", "weight"), ("in_proj_bias", "bias")):
+        for own, key in zip(_IN, ("weight", "bias"), strict=True):
             if own in names:
                 each = [p[f"in{i}.{key}"] for i, p in enumerate(parts)]
                 merged[names[own]] = sum(each[1:], each[0]) if add else torch.cat(each, dim)
-        for own, key in (("out_proj.weight", "weight"), ("out_proj.bias", "bias")):
+        for own, key in zip(_OUT, ("weight", "bias"), strict=True):
             if own in names:
                 merged[names[own]] = out[f"out.{key}"]
         return merged
@@ -112,15 +108,12 @@ class _Attention(Layer):
         return self._merge(parts, self.out.per_sample(), 1, False)
 
 
-def _pseudo(call: Call, names: dict[str, str], tag: str, prefix: str) -> Call:
+def _pseudo(call: Call, tag: str, own: tuple[str, str]) -> Call:
     """A stand-in call whose ``weight``/``bias`` keys are ``tag.weight``/``tag.bias``
-    where the module's parameter under ``prefix`` is trained."""
-    keys: dict[str, str] = {}
-    if prefix == "in_proj":
-        pairs: Any = (("weight", "in_proj_weight"), ("bias", "in_proj_bias"))
-    else:
-        pairs = (("weight", "out_proj.weight"), ("bias", "out_proj.bias"))
-    for key, own in pairs:
-        if own in names:
-            keys[key] = f"{tag}.{key}"
+    where the module's parameters ``own`` (its weight's and bias's names) are trained."""
+    keys = {
+        key: f"{tag}.{key}"
+        for key, name in zip(("weight", "bias"), own, strict=True)
+        if name in call.names
+    }
     return Call(call.module, keys, (), {}, 1)

@@ -10,7 +10,6 @@ parameter and where in the module calls it happens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -33,9 +32,9 @@ class DirectReads(TorchFunctionMode):
     they make reads (not through its arguments' taps); ``called``: the modules whose
     calls ran operations."""
 
-    def __init__(self, named: Sequence[tuple[str, Tensor]]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.ids = {id(t): name for name, t in named}
+        self.ids: dict[int, str] = {}  # id(tensor) -> name: set per pass (_ghost._pass_shapes)
         self.outside: dict[str, tuple[nn.Module | None, str | None]] = {}  # reader, path
         self.within: set[int] = set()  # id(owner module)
         self.called: set[int] = set()

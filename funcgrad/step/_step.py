@@ -57,7 +57,7 @@ from . import _scalars
 from ._async import Background, Run
 from ._checks import Checks, compile_scope
 from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
-from ._ghost import hooked
+from ._ghost import GhostGradients, hooked
 from ._gradients import after_gradients, autograd_gradients, ghost_of, gradient_function
 from ._handle import Step
 from ._minimize import minimize_step
@@ -389,7 +389,7 @@ def make_step(
             return core.pure_step(params, state, *args)
         fresh = checks(params, state, args)
         # A traced ghost probe watches no parameter use: fg.ghost_clip's eager one first.
-        if fresh and scope in ("step", "gradients") and hasattr(core.gradients, "check"):
+        if fresh and scope in ("step", "gradients") and isinstance(core.gradients, GhostGradients):
             core.gradients.check(params.views() if isinstance(params, Flat) else params, *args)
         if pure_buffers and isinstance(args[0], Mapping):
             # Not donated: the given buffers are not written, and a compiled step sees
