@@ -96,7 +96,7 @@ def ref_zero_fix(group, all_zero=1.0, zero=0.5):
         return {k: torch.full_like(t, all_zero) for k, t in group.items()}
     out = {}
     for k, t in group.items():
-        t = t.clone()
+        t = t.clone(memory_format=torch.contiguous_format)
         flat = t.view(-1)
         for i in range(flat.numel()):
             if flat[i].item() == 0.0:

@@ -261,8 +261,11 @@ def test_rules_in_front_then_fused_adamw(dtype, kind, fused_calls):
     """chain(per-layer zero_fix, adamw): the rule on the gradients, then the fused
     kernel; equal to torch's fused AdamW after the same rule written on ``.grad``.
     Gradients with exact zeros: a ReLU layer's, and a layer whose output is multiplied
-    by 0 (an all-zero group, filled with 1.0)."""
+    by 0 (an all-zero group, filled with 1.0). The rule runs by its host-read form
+    (funcgrad/rules/_eager.py) and leaves ``.grad`` as backward wrote it."""
     rule = fg.rules.zero_fix()
+    on_host, ruled = rule._eager, []
+    rule._eager = lambda groups, scratch: ruled.append(len(groups)) or on_host(groups, scratch)
 
     def relu_net() -> nn.ModuleDict:
         torch.manual_seed(0)
@@ -300,12 +303,78 @@ def test_rules_in_front_then_fused_adamw(dtype, kind, fused_calls):
                     for n in names:
                         named[n].grad = fixed[n]
             opt.step()
+        dead = b["dead"].weight.grad
+        assert torch.equal(dead, torch.zeros_like(dead))  # .grad not written by the rule
     got = {n: p.detach() for n, p in b.named_parameters()}
     assert_bitwise(got, {n: p.detach() for n, p in a.named_parameters()})
     assert len(fused_calls) == STEPS
+    assert ruled == [3] * STEPS
     if kind != "chain":  # the monitor's state advanced on the fused path too
         assert bool(tb.tx_state["monitor"].stats["dead"]["all_zero"])
         assert int(tb.tx_state["adamw"].count) == STEPS
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_rule_results_borrowed_across_steps(dtype, fused_calls):
+    """Gradients large enough that the rule's results and masks are borrowed from the
+    optimizer's scratch and lent again each step (a ReLU layer's zeros, an all-zero
+    layer): every step equal, bit for bit, to torch's fused AdamW after the rule on
+    ``.grad``, and so is a second optimizer sharing the rule, stepped in between (each
+    optimizer lends its own buffers); and a transformation after the rule that keeps
+    its input in its state (the ruled gradient) keeps it unchanged: that buffer is
+    never lent again."""
+    rule = fg.rules.zero_fix()
+    held: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+
+    def keep_last() -> fg.GradientTransformation:
+        def init(params: Any) -> Any:
+            return {n: torch.zeros_like(p) for n, p in params.items()}
+
+        def update(grads: Any, state: Any, params: Any = None) -> Any:
+            held.append((dict(grads), {n: g.clone() for n, g in grads.items()}))
+            return grads, dict(grads)  # the ruled gradients themselves, not copies
+
+        return fg.GradientTransformation(init, update)
+
+    def wide() -> nn.ModuleDict:
+        torch.manual_seed(0)
+        m = nn.ModuleDict({"a": nn.Linear(200, 200), "dead": nn.Linear(200, 200)})
+        return m.to(dtype)
+
+    def loss(m: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(m["a"](x) - 0.5)
+        return h.pow(2).mean() + (0 * m["dead"](x)).sum()
+
+    x = torch.randn(4, 200, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for keep in (False, True):
+        held.clear()
+        a, b, c = wide(), wide(), wide()
+        ta = torch.optim.AdamW(a.parameters(), 1e-2, fused=True)
+        rules_tx = [fg.per_group(rule, fg.group_by_module(b))]
+        tb = fg.Optimizer(b, fg.chain(*rules_tx, *([keep_last()] if keep else []), fg.adamw(1e-2)))
+        tc = fg.Optimizer(c, fg.chain(fg.per_group(rule, fg.group_by_module(c)), fg.adamw(1e-2)))
+        named = dict(a.named_parameters())
+        for _ in range(3):
+            for m, opt in ((a, ta), (b, tb), (c, tc)):
+                opt.zero_grad()
+                loss(m, x).backward()
+                if m is a:
+                    assert (named["a.weight"].grad == 0).any()
+                    for names in fg.group_by_module(a).values():
+                        fixed = rule({n: named[n].grad for n in names})
+                        for n in names:
+                            named[n].grad = fixed[n]
+                opt.step()
+            want = {n: p.detach() for n, p in a.named_parameters()}
+            assert_bitwise({n: p.detach() for n, p in b.named_parameters()}, want)
+            assert_bitwise({n: p.detach() for n, p in c.named_parameters()}, want)
+        if keep:  # each step's ruled gradients are still what they were
+            assert len(held) == 3
+            for kept, then in held:
+                assert_bitwise(kept, then)
+            assert (held[0][1]["a.weight"] == 0.5).any()
+            assert torch.equal(held[0][1]["dead.weight"], torch.ones_like(held[0][1]["a.weight"]))
+    assert len(fused_calls) == 12
 
 
 def test_decay_mask_splits_the_kernel_calls(fused_calls):

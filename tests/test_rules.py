@@ -49,6 +49,50 @@ def test_zero_fix_matches_eager_reference(kind, dtype):
         assert not (got[k] == 0).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_fix_eager_equals_the_traceable_rule(dtype):
+    """The host-read form fg.Optimizer's eager step uses (funcgrad/rules/_eager.py) on
+    every kind of group at once, with an empty tensor, a transposed one and custom
+    values: the traceable rule's values and the reference's, bit for bit; a gradient
+    with no zero comes back as the same tensor (no copy), the inputs are not written."""
+    fix = rules.zero_fix(if_all_zero=2.0, if_zero=-0.1)
+    groups = [make_group(kind, dtype) for kind in KINDS]
+    groups[1]["fc.weight"] = groups[1]["fc.weight"].t()  # not contiguous
+    groups[3]["empty"] = torch.zeros(0, 3, dtype=dtype)  # a group with no zero
+    groups[0]["empty"] = torch.zeros(0, dtype=dtype)  # an all-zero group
+    groups.append({"only": torch.zeros(0, dtype=dtype)})
+    before = [{k: t.clone() for k, t in g.items()} for g in groups]
+    got = fix._eager(groups)
+    assert got is not None and len(got) == len(groups)
+    for g, b, e in zip(groups, before, got, strict=True):
+        want, ref = fix(b), ref_zero_fix(b, 2.0, -0.1)
+        assert e.keys() == g.keys()
+        for k in g:
+            assert e[k].dtype == dtype and e[k].shape == g[k].shape
+            torch.testing.assert_close(e[k], want[k], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(e[k], ref[k], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(g[k], b[k], rtol=0, atol=0, equal_nan=True)
+    assert got[3]["fc.weight"] is groups[3]["fc.weight"]  # none_zero: passed through
+    assert got[1]["fc.weight"] is not groups[1]["fc.weight"]
+
+
+def test_zero_fix_eager_form_only_where_it_is_exact():
+    """The host-read form is for exact zeros on plain CPU tensors outside transforms:
+    a tolerance, a tensor under vmap or one that requires grad take the traceable rule."""
+    assert rules.zero_fix(atol=1e-6)._eager is None
+    assert rules.zero_fix(rtol=1e-5)._eager is None
+    fix = rules.zero_fix()._eager
+    assert fix([{"w": torch.zeros(2, requires_grad=True)}]) is None
+    seen = []
+
+    def per_sample(t: torch.Tensor) -> torch.Tensor:
+        seen.append(fix([{"w": t}]))
+        return t
+
+    torch.func.vmap(per_sample)(torch.zeros(3, 2))
+    assert seen == [None]
+
+
 def test_zero_fix_custom_values():
     group = make_group("some_zero", torch.float64)
     torch.testing.assert_close(

@@ -81,6 +81,15 @@ class Facts:
     parameter vector ``x``, where ``evaluate(x) -> (loss, flat_grad, result)``.
     ``fg.make_step`` and ``fg.Optimizer.step(closure)`` call it instead of ``update``
     (funcgrad/optim/_lbfgs.py)."""
+    eager: Callable[..., Any] | None = None
+    """``update``'s values by another road for an eager step on plain CPU tensors:
+    ``eager(grads, state, params, scratch) -> (updates, state)``, or None where these
+    inputs need ``update``. It may read tensors on the host (free on the CPU) to skip
+    work ``update`` does on every entry, and borrow its large results from ``scratch``
+    (a :class:`funcgrad.core._scratch.Scratch`, or None: allocate), which the caller
+    reclaims once the step has read them. ``fg.Optimizer``'s step on torch's fused kernels
+    calls it for the rules in front (funcgrad/optim/_fused.py); ``fg.per_group`` of
+    ``fg.rules.zero_fix()`` has one (funcgrad/rules/_eager.py)."""
 
 
 NO_FACTS = Facts()

@@ -5,11 +5,14 @@ An eager ``fg.Optimizer.step`` whose transformation is Adam, AdamW, SGD or Adagr
 ``fg.chain`` of rules, updates the parameters and the optimizer's state in place with
 ``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_`` / ``_fused_adagrad_``: the kernels of
 ``torch.optim.Adam(fused=True)`` and its siblings, one pass over each parameter,
-gradient and moment, no temporaries. The rules in front run as they always do
-(functionally, on the gradients). The values are those of torch's fused optimizer
-with the same arguments, bit for bit (``tests/test_fused_step.py``); torch's fused
-and default kernels differ by rounding, and both stay within the tolerances the
-drop-in tests hold against ``torch.optim``'s default.
+gradient and moment, no temporaries. The rules in front run functionally on the
+gradients, by their ``Facts.eager`` form where they have one (``fg.per_group`` of
+``fg.rules.zero_fix()``: one pass per gradient without zeros,
+funcgrad/rules/_eager.py), their large results in the optimizer's scratch buffers.
+The values are those of torch's fused optimizer with the same arguments, bit for
+bit (``tests/test_fused_step.py``); torch's fused and default kernels differ by
+rounding, and both stay within the tolerances the drop-in tests hold against
+``torch.optim``'s default.
 
 The step counter, the hyperparameters and their schedules stay in funcgrad's state
 as on every other path: the kernel reads the step's values as Python floats (one
@@ -35,9 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._compat import compiling, fused_adagrad, fused_adam, fused_sgd
+from .._compat import compiling, fused_adagrad, fused_adam, fused_sgd, tree_flatten
 from ..core._base import GradientTransformation, State
 from ..core._combine import ChainState, ParamGroupsState
+from ..core._scratch import Scratch
 from . import _foreach
 from ._hparams import is_optimizer_state, mask_resolver, next_value, value64
 
@@ -111,12 +115,34 @@ def _rechained(state: State, inner: list[State]) -> State:
     return dict(zip(state, inner, strict=True))
 
 
-def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tensor]) -> State | None:
+def run(
+    p: Plan,
+    state: State,
+    params: dict[str, Tensor],
+    grads: dict[str, Tensor],
+    scratch: Scratch | None = None,
+) -> State | None:
     """One step on the fused kernels: the parameters and the moments in place; the new
     state (the same tensors, the count and hyperparameters advanced), or None where
-    this step cannot run fused (nothing has been written then)."""
+    this step cannot run fused (nothing has been written then). The rules in front
+    borrow their large results from ``scratch`` (the optimizer's own, taken back
+    when the step returns)."""
     if compiling() or not params:
         return None
+    try:
+        return _run(p, state, params, grads, scratch)
+    finally:
+        if scratch is not None:
+            scratch.reclaim()  # the kernels have read the rules' results
+
+
+def _run(
+    p: Plan,
+    state: State,
+    params: dict[str, Tensor],
+    grads: dict[str, Tensor],
+    scratch: Scratch | None,
+) -> State | None:
     chained = _chained(state) if p.chained else None
     opt_state = chained[-1] if chained is not None else state
     states = list(opt_state.inner_states) if p.grouped else [opt_state]
@@ -129,8 +155,15 @@ def run(p: Plan, state: State, params: dict[str, Tensor], grads: dict[str, Tenso
     prefix_states: list[State] = []
     if chained is not None:
         for tx, s in zip(p.prefix, chained[:-1], strict=True):
-            grads, s = tx.update(grads, s, params)
+            # a rule's host-read form where it has one (Facts.eager), else its update
+            eager = tx.facts.eager
+            done = eager(grads, s, params, scratch) if eager is not None else None
+            grads, s = done if done is not None else tx.update(grads, s, params)
             prefix_states.append(s)
+        if scratch is not None and scratch.lent:
+            kept = {id(t) for t in tree_flatten(prefix_states)[0]}
+            if any(id(t) in kept for t in scratch.lent):
+                scratch.forget()  # a state holds a rule's result: never lend it again
         if not all(_fits(grads[n], params[n]) for n in params):
             return None  # a rule changed the gradients' dtype or shape: the general path
     new = [

@@ -22,11 +22,13 @@ BatchNorm), and an exact test then flips; see docs/exact-zeros.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..core._base import clip_factor
+from . import _eager
 from . import _rule_base as _rb
 from ._rule_base import Condition, Rule
 
@@ -34,7 +36,7 @@ from ._rule_base import Condition, Rule
 # rules, conditions and their two classes only.
 Group = _rb.Group
 # funcgrad's rules and conditions: shard-safe, and every statistic is of the input group.
-_BUILTIN = {"shard_safe": True, "_input_stats": True}
+_BUILTIN: dict[str, Any] = {"shard_safe": True, "_input_stats": True}
 
 __all__ = [
     "Condition",
@@ -357,6 +359,10 @@ def zero_fix(
     (attention key biases, a bias before BatchNorm), ``rtol=1e-5`` makes the decisions
     the same in float32 and float64 at any loss scale (docs/exact-zeros.md).
 
+    With exact zeros, ``fg.Optimizer``'s eager step on CPU tensors runs it by a form
+    that reads each gradient's flags on the host and rewrites only gradients holding
+    zeros (the same values; funcgrad/rules/_eager.py).
+
     Examples:
         >>> import torch
         >>> from funcgrad import rules
@@ -393,4 +399,5 @@ def zero_fix(
         return out
 
     extra = f", {_suffix(tol, rel)}" if tol or rel else ""
-    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", **_BUILTIN)
+    eager = _eager.zero_fix(a, z) if not (tol or rel) else None
+    return Rule(rule, f"zero_fix(if_all_zero={a}, if_zero={z}{extra})", _eager=eager, **_BUILTIN)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -15,8 +15,10 @@ from ..core._base import (
     State,
     check_floating,
     shardable,
+    with_facts,
 )
 from ..core._flat import Flat, cat
+from ..core._scratch import Scratch
 from . import _rule_base as _rb
 from . import all_zero, any_nonfinite
 from ._groups import Groups, as_groups
@@ -85,7 +87,28 @@ def per_group(
         # Under fg.sharded, funcgrad's rules get every group's statistics in one collective.
         return (_rb.batched(apply_all) if _rb.reads_input_only(rule) else apply_all()), state
 
-    return shardable(GradientTransformation(init, update), by_entry=True)
+    tx = shardable(GradientTransformation(init, update), by_entry=True)
+    on_host = getattr(rule, "_eager", None)
+    if on_host is None:
+        return tx
+
+    def eager(
+        grads: Params, state: State, params: Params | None = None, scratch: Scratch | None = None
+    ) -> Any:
+        # update's values for a plain dict of CPU tensors outside fg.sharded, with host
+        # reads (funcgrad/rules/_eager.py); None: update it is
+        if type(grads) is not dict or _rb.shards() is not None:
+            return None
+        groups.check_against(grads, "fg.per_group.update")
+        done = on_host([{n: grads[n] for n in names} for names in groups.values()], scratch)
+        if done is None:
+            return None
+        out = dict(grads)
+        for d in done:
+            out.update(d)
+        return out, state
+
+    return with_facts(tx, eager=eager)
 
 
 def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, int, int]] | None:

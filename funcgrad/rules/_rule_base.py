@@ -183,11 +183,15 @@ class _Named(Generic[Out]):
         *,
         shard_safe: bool = False,
         _input_stats: bool = False,
+        _eager: Callable[..., list[dict[str, Tensor]] | None] | None = None,
     ) -> None:
         self._fn = fn
         self._name = name
         self._input_stats = _input_stats
         self.shard_safe = shard_safe
+        # fn on a list of groups for an eager step on plain CPU tensors (the same values,
+        # fewer passes: funcgrad/rules/_eager.py), or None where those need fn
+        self._eager = _eager
 
     def __call__(self, group: Group) -> Out:
         return self._fn(group)

@@ -17,6 +17,7 @@ from torch import Tensor
 from .._compat import compiling, tree_flatten
 from ..core._base import GradientTransformation, Params, State, in_dtype_of
 from ..core._combine import ParamGroupsState
+from ..core._scratch import Scratch
 from ..core._tree import tree_map
 from ..core._vector import flat_vector, unflatten
 from ..optim import _fused
@@ -59,6 +60,9 @@ class Core:
         self.full: GradientTransformation = self.tx
         self.state: State = None
         self.fused: _fused.Plan | None = None
+        # the eager fused step's borrowed buffers (the rules' large results), this
+        # optimizer's own: kept between steps, so no page of them faults again
+        self.scratch = Scratch()
         self.regroup()
 
     # what the groups hold
@@ -232,7 +236,7 @@ class Core:
         grads = _grads(names, parameters)
         params = dict(zip(names, parameters, strict=True))
         if self.fused is not None and not self.dtensors:
-            fused = _fused.run(self.fused, self.state, params, grads)
+            fused = _fused.run(self.fused, self.state, params, grads, self.scratch)
             if fused is not None:  # parameters and moments written in place
                 self.state = fused
                 self.pull(groups)
