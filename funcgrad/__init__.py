@@ -38,6 +38,10 @@ from .io._state_dict import load_state_dict as load_state_dict
 from .io._state_dict import state_dict as state_dict
 from .io._torch_state import state_from_torch as state_from_torch
 from .io._torch_state import state_to_torch as state_to_torch
+from .model._model import buffers as buffers
+from .model._model import call as call
+from .model._model import load_params as load_params
+from .model._model import params as params
 from .optim._adadelta import AdadeltaState as AdadeltaState
 from .optim._adadelta import adadelta as adadelta
 from .optim._adafactor import AdafactorState as AdafactorState
@@ -86,10 +90,6 @@ from .rules._groups import group_by_module as group_by_module
 from .rules._per_group import MonitorState as MonitorState
 from .rules._per_group import monitor as monitor
 from .rules._per_group import per_group as per_group
-from .step._model import buffers as buffers
-from .step._model import call as call
-from .step._model import load_params as load_params
-from .step._model import params as params
 from .step._per_sample import per_sample_grads as per_sample_grads
 from .step._step import make_step as make_step
 from .torch_optim import Optimizer as Optimizer

@@ -260,7 +260,7 @@ def test_async_build_traces_the_module_while_eager_steps_run_it():
     the whole build, while dynamo traces the same module in the other thread: the
     build sees the module as it is (the tied weight tied), compiles, and the run
     equals an eager one. Before the eager steps ran on a shadow of the module
-    (funcgrad/step/_model.py, shadowing), the build failed on char_gpt's model:
+    (funcgrad/model/_model.py, shadowing), the build failed on char_gpt's model:
     "trainable parameters ['head.weight'] are missing"; this test, 3 runs of 4."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

@@ -35,12 +35,13 @@ MUTABLE = (
 LAYERS = (
     "_compat",
     "core",
-    "step",
+    "model",
     "rules",
     "transforms",
     "optim",
     "distributed",
     "io",
+    "step",
     "torch_optim",
 )
 FACADE = ("hooks", "__init__")
@@ -232,9 +233,24 @@ def _layer(module: str) -> int:
     return LAYERS.index(part)
 
 
+def test_rules_import_only_core():
+    """Rules are functions of gradients: ``funcgrad.rules`` imports ``core`` (and
+    ``_compat``), not the model layer, though the layer order would allow it."""
+    found = [
+        f"{module} imports {dep}"
+        for module in _modules()
+        if module.startswith("funcgrad.rules")
+        for dep in sorted(_funcgrad_imports(module, top_level_only=False))
+        if _layer(dep) not in (_layer("funcgrad.core"), _layer("funcgrad._compat"))
+        and not dep.startswith("funcgrad.rules")
+    ]
+    assert not found, f"{found}: rules take what they need from funcgrad.core"
+
+
 def test_no_module_imports_a_layer_above_its_own():
-    """Imports point one way: core <- step <- rules <- transforms <- optim <- distributed
-    <- io <- torch_optim <- the façade (``funcgrad/__init__.py``, ``hooks``). Every
+    """Imports point one way: core <- model <- rules <- transforms <- optim <-
+    distributed <- io <- step <- torch_optim <- the façade (``funcgrad/__init__.py``,
+    ``hooks``). Every
     import counts, also one deferred into a function; ``if TYPE_CHECKING:`` ones
     (annotations) do not."""
     assert _layer("funcgrad.optim._adam") > _layer("funcgrad.core._base")

@@ -50,8 +50,8 @@ from ..core._base import (
     wrapping,
 )
 from ..core._compose import refuse_transforms
+from ..core._shards import active
 from ..core._tree import flatten
-from ..rules import _rule_base as _rb
 from ._all_reduce import initialized
 from ._split import Chunks, Cut, Ranks
 
@@ -304,7 +304,7 @@ def sharded(
         ranks = layout.ranks
         rows = ranks.scatter_mean(grads)
         local_params = None if params is None else ranks.local(params)
-        with _rb.active(ranks):
+        with active(ranks):
             updates, inner = tx.update(rows, state.inner, local_params)
         return ranks.gather(updates), type(state)(inner)
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import _compat
 from ..core import _flat
 from ..core._base import Params
-from ..rules import _rule_base as _rb
+from ..core._shards import active
 from ._all_reduce import GroupRef, by_dtype
 
 T = TypeVar("T")
@@ -125,7 +125,7 @@ class _Replay(_Record):
 
 class Cut:
     """The ranks of one process group, and how statistics combine over them (the
-    protocol of ``_rule_base.Shards``); subclasses say which entries a rank holds."""
+    protocol of ``core._shards.Shards``); subclasses say which entries a rank holds."""
 
     def __init__(self, group: Any) -> None:
         ref = GroupRef(group)
@@ -163,12 +163,12 @@ class Cut:
         if self.world == 1:
             return fn()
         record = _Record(self)
-        with _rb.active(record):
+        with active(record):
             fn()
         if not record.partials:
             return fn()
         replay = _Replay(self, self.sum(torch.stack(record.partials)), record.kinds)
-        with _rb.active(replay):
+        with active(replay):
             out = fn()
         replay.done()
         return out
@@ -178,7 +178,7 @@ class Cut:
     ) -> dict[str, Tensor]:
         """``fn`` on the whole group gathered from all ranks; this rank's part of it."""
         whole = self.gather_names(group)
-        with _rb.active(None):  # fn sees whole tensors: nothing more to combine
+        with active(None):  # fn sees whole tensors: nothing more to combine
             out = fn(whole)
         return self.local(out)
 

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..core import _shards
 from ..core._base import GradientTransformation
 from ..core._invariants import invariants
-from ..rules import _rule_base as rb
 from ._hparams import (
     DecayMask,
     Hyper,
@@ -176,7 +176,7 @@ def adafactor(
         assert p is not None
         if maximize:
             g = -g
-        shards = rb.shards()  # fg.sharded: this rank's rows; norms summed over ranks
+        shards = _shards.shards()  # fg.sharded: this rank's rows; norms summed over ranks
 
         def total(partial: Tensor) -> Tensor:
             return partial if shards is None else shards.sum(partial)

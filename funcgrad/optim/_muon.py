@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..core import _shards
 from ..core._base import GradientTransformation, Params, is_int
 from ..core._invariants import invariants
-from ..rules import _rule_base as rb
 from ._hparams import (
     DecayMask,
     Hyper,
@@ -168,7 +168,7 @@ def muon(
             _check_matrices({e.name: g})
         buf = torch.lerp(e.slots["momentum_buffer"], g, s["one_minus_momentum"])
         mom = torch.lerp(g, buf, s["momentum"]) if nesterov else buf
-        shards = rb.shards()  # fg.sharded: the whole matrix, this rank's rows of O
+        shards = _shards.shards()  # fg.sharded: the whole matrix, this rank's rows of O
 
         def ortho(whole: dict[str, Tensor]) -> dict[str, Tensor]:
             return {e.name: orthogonalize(whole[e.name], coeffs, ns_steps, s["eps"])}

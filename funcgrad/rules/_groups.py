@@ -11,7 +11,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from torch import Tensor, nn
 
 from ..core._base import is_int
-from ..step._model import trainable_names
 
 
 class Groups(Mapping[str, tuple[str, ...]]):
@@ -144,7 +143,8 @@ def group_by_module(
         )
     if isinstance(model_or_params, nn.Module):
         model: nn.Module | None = model_or_params
-        names = trainable_names(model_or_params)  # (not fg.params: that moves them)
+        # fg.params' keys (not fg.params itself: that moves them into flat buffers)
+        names = [n for n, p in model_or_params.named_parameters() if p.requires_grad]
     elif isinstance(model_or_params, Mapping):
         model = None
         names = list(model_or_params)

@@ -33,7 +33,7 @@ import math
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -41,51 +41,13 @@ from torch import Tensor
 from .. import _compat
 from .._compat import compiling
 from ..core._base import describe, is_number
+from ..core._shards import Shards as Shards
+from ..core._shards import active as active
+from ..core._shards import shards as shards
 
 Group = Mapping[str, Tensor]
 T = TypeVar("T")
 Out = TypeVar("Out")
-
-
-class Shards(Protocol):
-    """How ``fg.sharded`` combines partial statistics (see the module docstring)."""
-
-    def any(self, flag: Tensor) -> Tensor: ...
-    def sum(self, partial: Tensor) -> Tensor: ...
-    def numel(self, name: str) -> int: ...
-    def on_whole(
-        self, fn: Callable[[dict[str, Tensor]], dict[str, Tensor]], group: Group
-    ) -> dict[str, Tensor]: ...
-    def batched(self, fn: Callable[[], T]) -> T: ...
-
-
-class _Active(threading.local):
-    """Per thread: two threads stepping at once must not see each other's ranks."""
-
-    def __init__(self) -> None:
-        self.stack: list[Shards | None] = []
-
-
-_ACTIVE = _Active()
-"""The innermost entry of ``_ACTIVE.stack`` is in force: ``fg.sharded`` pushes its
-ranks while ``tx`` runs on shards, and ``None`` while a rule runs on a group gathered
-whole from all ranks (see :func:`active`)."""
-
-
-def shards() -> Shards | None:
-    """The ranks over which statistics combine now, or ``None`` (one process)."""
-    stack = _ACTIVE.stack
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def active(ranks: Shards | None) -> Iterator[None]:
-    """Statistics combine over ``ranks`` inside the block (``None``: locally)."""
-    _ACTIVE.stack.append(ranks)
-    try:
-        yield
-    finally:
-        _ACTIVE.stack.pop()
 
 
 def is_shard_safe(fn: object) -> bool:

@@ -2,8 +2,8 @@
 ``_gradients``, ``compile="async"`` in ``_async``), ghost clipping (``_ghost``; its
 global hooks in ``_ghost_tap``, its watch over parameter uses in ``_ghost_watch``;
 each module type's norms and sums in ``_ghost_layers`` and ``_ghost_attention``), what
-it checks before tracing (``_checks``), its explained errors (``_errors``), per-sample
-gradients (``_per_sample``) and the way between an ``nn.Module`` and dicts of tensors
-(``_model``: ``fg.params``, ``fg.call``). Imports only ``funcgrad.core``. The public
-names are ``fg.*``.
+it checks before tracing (``_checks``) and per-sample gradients (``_per_sample``).
+The layer above ``io``: it takes transformations through ``funcgrad.core``'s protocol
+and modules through ``funcgrad.model`` (``fg.params``, ``fg.call``, the explained
+errors). The public names are ``fg.*``.
 """

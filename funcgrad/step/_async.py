@@ -17,8 +17,8 @@ from .. import _compat
 from ..core._base import Params, State
 from ..core._flat import leaves
 from ..core._tree import tree_map
-from ._errors import explain_compile_failure
-from ._model import shadowing
+from ..model._errors import explain_compile_failure
+from ..model._model import shadowing
 
 
 def _world_size() -> int:

@@ -24,7 +24,7 @@ from .. import _compat
 from ..core._base import GradientTransformation, LossFn, Params, State
 from ..core._compose import is_transformed, transform_active
 from ..core._tree import BUFFERS, tensor_paths
-from ._errors import HOST_READ
+from ..model._errors import HOST_READ
 from ._per_sample import check_batch
 
 

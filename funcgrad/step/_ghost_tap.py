@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from .. import _compat
 from .._compat import tree_flatten, tree_unflatten
-from ._errors import PER_SAMPLE_BATCHNORM
-from ._model import lock_of
+from ..model._errors import PER_SAMPLE_BATCHNORM
+from ..model._model import lock_of
 
 Shapes = list[list[tuple[tuple[int, ...], torch.dtype]]]
 """The tapped tensors' shapes and dtypes, one list per tapped call, in order."""

@@ -82,7 +82,7 @@ def autograd_gradients(loss_fn: LossFn, has_aux: bool, buffers: bool) -> Callabl
     with the inputs' structure has run through ``torch.func`` (whose checks give the
     clear errors: output not a scalar, aux, a write to a captured tensor). Writes to
     a module's own buffers are caught on both paths: the eager step runs under
-    :func:`funcgrad.step._model.watching_buffers`, where ``fg.call`` compares the buffers'
+    :func:`funcgrad.model._model.watching_buffers`, where ``fg.call`` compares the buffers'
     version counters.
     """
 

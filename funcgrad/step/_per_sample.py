@@ -15,7 +15,7 @@ from torch.func import grad_and_value, vmap
 
 from ..core._base import GradientTransformation, LossFn, Params
 from ..core._flat import Flat
-from ._errors import explain_buffer_write, reraise
+from ..model._errors import explain_buffer_write, reraise
 
 
 def check_batch(batch: tuple[Any, ...], who: str) -> int:

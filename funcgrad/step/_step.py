@@ -53,15 +53,20 @@ from ..core._compose import transform_active
 from ..core._flat import Flat, leaves
 from ..core._scratch import Scratch, lending
 from ..core._tree import commit, copy_into, sigint_held
+from ..model._errors import (
+    PER_SAMPLE_BATCHNORM,
+    explain_buffer_write,
+    explain_compile_failure,
+    reraise,
+)
+from ..model._model import watching_buffers
 from . import _scalars
 from ._async import Background, Run
 from ._checks import Checks, compile_scope
-from ._errors import PER_SAMPLE_BATCHNORM, explain_buffer_write, explain_compile_failure, reraise
 from ._ghost import GhostGradients, hooked
 from ._gradients import after_gradients, autograd_gradients, ghost_of, gradient_function
 from ._handle import Step
 from ._minimize import minimize_step
-from ._model import watching_buffers
 
 
 class _Core(NamedTuple):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..core._base import GradientTransformation, Params, shardable, stateless, with_facts
 from ..core._flat import Flat, by_buffer, from_buffers
+from ..core._shards import shards
 from ..rules import _rule_base as _rb
 from ..rules import clip_norm
 
@@ -26,7 +27,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     rule = clip_norm(max_norm)
 
     def clip(grads: Params, params: Params | None) -> Params:
-        if isinstance(grads, Flat) and _rb.shards() is None:  # the norm over the buffers
+        if isinstance(grads, Flat) and shards() is None:  # the norm over the buffers
             return from_buffers(rule(by_buffer(grads)), grads.layout)  # type: ignore[return-value]
         return rule(grads)
 

@@ -68,11 +68,6 @@ def params(model: nn.Module) -> Params:
     return out if flat is None else flat  # type: ignore[return-value]
 
 
-def trainable_names(model: nn.Module) -> list[str]:
-    """The keys :func:`params` gives, without moving the parameters into flat buffers."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]
-
-
 def buffers(model: nn.Module) -> dict[str, Tensor]:
     """Buffers of ``model`` (e.g. BatchNorm running statistics) as a flat dict.
 
