@@ -16,6 +16,13 @@ update; docs/torch-loops.md). Here, on the host (free on the CPU):
    others, a gradient with no zero passes through as it is (no copy), and only a
    gradient holding zeros takes the ``torch.where``, over the mask already made.
 
+Small gradients of one shape (a deep stack's biases and small layers) are stacked
+first and take step 1 together, one ``bool()`` and one ``amin``/``amax`` per row:
+per tensor, the eager ops' own overhead (microseconds each) outweighed their work.
+Large results and masks are borrowed from the optimizer's scratch
+(funcgrad/core/_scratch.py), kept between steps: a fresh 39 MB result faulted every
+page each step.
+
 The values are those of the traceable form, bit for bit (NaN is not a zero; ``-0.0``
 is; an empty tensor neither keeps its group from being all zero nor changes):
 ``tests/test_rules.py::test_zero_fix_eager_equals_the_traceable_rule``. Only plain
@@ -35,17 +42,18 @@ from .. import _compat
 from ..core._scratch import BIG, Scratch
 
 Group = dict[str, Tensor]
+Mask = Tensor | tuple[Tensor, int] | None
 
 
 def plain_cpu(t: object) -> bool:
-    """A plain, dense, real floating-point CPU tensor, outside any trace or transform."""
+    """A plain, dense, real floating-point CPU tensor that does not require grad (the
+    caller checks once that no ``torch.func`` transform runs: see :func:`zero_fix`)."""
     return (
         type(t) is Tensor
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.layout is torch.strided
         and t.is_floating_point()
         and not t.requires_grad
-        and not _compat.is_functorch_wrapped(t)
     )
 
 
@@ -58,56 +66,100 @@ def zero_fix(
     them once the step has read them), else allocated."""
 
     def run(groups: list[Group], scratch: Scratch | None = None) -> list[Group] | None:
-        if _compat.compiling():
+        if _compat.compiling() or _compat.functorch_transform_active():
+            return None  # traced, or tensors wrapped by vmap/grad: the traceable rule
+        flat = [t for g in groups for t in g.values()]
+        if not all(plain_cpu(t) for t in flat):
             return None
-
-        def empty(t: Tensor, dtype: torch.dtype) -> Tensor | None:
-            if scratch is None or t.numel() < BIG:
-                return None
-            return scratch.empty(tuple(t.shape), dtype, t.device)
-
-        masks: list[list[Tensor | None]] = []
-        flags: list[Tensor] = []
-        for g in groups:
-            row: list[Tensor | None] = []
-            for t in g.values():
-                if not plain_cpu(t):
-                    return None
-                if t.numel() == 0:
-                    row.append(None)
-                    continue
-                into = empty(t, torch.bool)
-                nonzero = t.bool() if into is None else into.copy_(t)
-                lo, hi = torch.aminmax(nonzero.view(torch.uint8))
-                flags += (lo, hi)
-                row.append(nonzero)
-            masks.append(row)
-        read = iter(torch.stack(flags).tolist() if flags else ())
+        masks, lo, hi = _nonzero_masks(flat, scratch)
+        i = 0
         out: list[Group] = []
-        for g, row in zip(groups, masks, strict=True):
-            # per tensor: (no zero, some nonzero); an empty one: (True, False)
-            seen = [(True, False) if m is None else (next(read) == 1, next(read) == 1) for m in row]
+        for g in groups:
+            n = len(g)
+            dead = not any(hi[i : i + n])  # no nonzero entry (an empty tensor has none)
+            if not dead and all(lo[i : i + n]):  # no zero: the group as it is
+                out.append(dict(g))
+                i += n
+                continue
             done: Group = {}
-            dead = not any(some for _, some in seen)  # no nonzero entry in the group
-            for (k, t), m, (none_zero, _) in zip(g.items(), row, seen, strict=True):
+            for k, t in g.items():
+                m, none_zero = masks[i], lo[i]
+                i += 1
                 if m is None or (none_zero and not dead):  # empty, or nothing to change
                     done[k] = t
                     continue
-                into = empty(t, t.dtype)
+                into = _empty(scratch, t, t.dtype)
                 if dead:
-                    full = (
+                    fill = (
                         torch.full_like(t, if_all_zero) if into is None else into.fill_(if_all_zero)
                     )
-                    done[k] = full
-                elif into is None:
-                    done[k] = torch.where(m, t, if_zero)
+                    done[k] = fill
+                    continue
+                mask = m if isinstance(m, Tensor) else m[0][m[1]]
+                if into is None:
+                    done[k] = torch.where(mask, t, if_zero)
                 else:  # the 0-d value as where rounds a Python float: in t's dtype
                     value = torch.full((), if_zero, dtype=t.dtype)
-                    done[k] = torch.where(m, t, value, out=into)
+                    done[k] = torch.where(mask, t, value, out=into)
             out.append(done)
         return out
 
     return run
+
+
+def _empty(scratch: Scratch | None, t: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """A buffer shaped as ``t`` from ``scratch`` for a large ``t``; None: allocate."""
+    if scratch is None or t.numel() < BIG:
+        return None
+    return scratch.empty(tuple(t.shape), dtype, t.device)
+
+
+def _nonzero_masks(
+    flat: list[Tensor], scratch: Scratch | None
+) -> tuple[list[Mask], list[bool], list[bool]]:
+    """Each tensor's nonzero mask (None for an empty one; a small tensor's as its row
+    of the stacked masks, indexed when used), whether it has no zero, and
+    whether it has a nonzero entry; the flags read on the host in one ``tolist()``.
+
+    A large tensor is one pass (``bool()``) and a reduction of the mask's bytes. Small
+    tensors of one shape and dtype (a deep stack's biases, its 64x64 layers) are
+    stacked first: one ``bool()`` and one ``amin``/``amax`` per row for all of them,
+    where per tensor the eager ops' own overhead outweighs their work."""
+    masks: list[Mask] = [None] * len(flat)
+    where: list[int] = []  # the tensors' indices, in the order of the flags
+    los: list[Tensor] = []
+    his: list[Tensor] = []
+    small: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
+    for i, t in enumerate(flat):
+        n = t.numel()
+        if n == 0:
+            continue
+        if n < BIG:
+            small.setdefault((t.shape, t.dtype), []).append(i)
+            continue
+        into = _empty(scratch, t, torch.bool)
+        m = t.bool() if into is None else into.copy_(t)
+        b = m.view(torch.uint8)
+        masks[i] = m
+        where.append(i)
+        los.append(b.amin().view(1))
+        his.append(b.amax().view(1))
+    for idx in small.values():
+        ts = [flat[i] for i in idx]
+        stacked = (torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)).bool()
+        rows = stacked.view(torch.uint8).reshape(len(ts), -1)  # a view but for one strided
+        for j, i in enumerate(idx):
+            masks[i] = (stacked, j)
+        where += idx
+        los.append(rows.amin(1))
+        his.append(rows.amax(1))
+    lo = [True] * len(flat)  # an empty tensor: no zero, no nonzero
+    hi = [False] * len(flat)
+    if where:
+        read = torch.cat(los + his).tolist()
+        for i, a, b in zip(where, read[: len(where)], read[len(where) :], strict=True):
+            lo[i], hi[i] = a == 1, b == 1
+    return masks, lo, hi
 
 
 __all__ = ["plain_cpu", "zero_fix"]
