@@ -82,31 +82,38 @@ def test_every_module_level_state_is_documented():
     assert not gone, f"docs/internals.md lists state that no longer exists: {gone}"
 
 
+def _rebinds_globals(tree: ast.AST) -> int:
+    """How many ``global`` statements and ``globals()`` calls ``tree`` holds."""
+    found = 0
+    for node in ast.walk(tree):
+        is_global = isinstance(node, ast.Global)
+        is_globals = (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "globals"
+        )
+        found += is_global or is_globals
+    return found
+
+
 def test_no_module_rebinds_its_own_globals_at_run_time():
     """A ``global`` statement or a ``globals()`` write is module state set at run time,
-    which the scan above sees only once it is set: none in funcgrad but the one
-    docs/internals.md lists (``fg.sharded``'s state classes, by name for pickle)."""
-    import ast
-
-    allowed = {"funcgrad.distributed._sharded": 1}  # docs/internals.md, "Tables written"
-    found: dict[str, int] = {}
+    which the scan above sees only once it is set: none in funcgrad (``fg.sharded``'s
+    state classes are found by name through a documented weak table and the module's
+    ``__getattr__``)."""
+    found = {}
     for name in _modules():
-        tree = ast.parse(_path(name).read_text())
-        for node in ast.walk(tree):
-            is_global = isinstance(node, ast.Global)
-            is_globals = (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id == "globals"
-            )
-            if is_global or is_globals:
-                found[name] = found.get(name, 0) + 1
-    assert found == allowed, (
-        f"run-time writes of module globals: {found} (allowed: {allowed}). Pass the "
-        "state through the arguments, or keep it in an object made at import and "
-        "documented in docs/internals.md."
+        n = _rebinds_globals(ast.parse(_path(name).read_text()))
+        if n:
+            found[name] = n
+    assert not found, (
+        f"run-time writes of module globals: {found}. Pass the state through the "
+        "arguments, or keep it in an object made at import and documented in "
+        "docs/internals.md."
     )
-    assert "globals()" in (ROOT / "funcgrad/distributed/_sharded.py").read_text()
+    # the scan sees both forms
+    snippet = "def f():\n    global X\n    globals()['Y'] = 1\n"
+    assert _rebinds_globals(ast.parse(snippet)) == 2
 
 
 def test_every_mutable_class_attribute_is_documented():

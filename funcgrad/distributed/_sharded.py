@@ -33,6 +33,7 @@ compiled step as graph ops, one graph per rank.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -62,6 +63,21 @@ class ShardedState(NamedTuple):
     """``inner``: the wrapped transformation's state, for this rank's rows only."""
 
     inner: State
+
+
+_CLASSES: weakref.WeakValueDictionary[str, type[ShardedState]] = weakref.WeakValueDictionary()
+"""``fg.sharded``'s state classes (one per layout) by the name pickle looks them up
+with: torch's compile-without-running (``make_step(compile="async")`` across ranks)
+pickles the guards' view of the state, types included. Weak: a class lives as long as
+the transformation that made it (docs/internals.md)."""
+
+
+def __getattr__(name: str) -> type[ShardedState]:
+    """A state class by its name (``_ShardedState_<id>``), as pickle finds a class."""
+    cls = _CLASSES.get(name)
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return cls
 
 
 def _initialized(who: str) -> None:
@@ -269,11 +285,9 @@ def sharded(
 
             State_.layout = layout  # type: ignore[attr-defined]
             State_.__name__ = "ShardedState"
-            # Findable by name in this module, as pickle finds a class: torch's
-            # compile-without-running (make_step(compile="async") across ranks) pickles
-            # the guards' view of the state, types included.
+            # Findable by name in this module, as pickle finds a class (_CLASSES)
             State_.__qualname__ = f"_ShardedState_{id(State_):x}"
-            globals()[State_.__qualname__] = State_
+            _CLASSES[State_.__qualname__] = State_
             cls = classes[key] = State_
         return cls
 
