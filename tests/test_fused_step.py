@@ -187,6 +187,45 @@ def test_groups_equal_torch_foreach_bit_for_bit(case, dtype, fused_calls):
                 assert torch.equal(getattr(inner, f), ta.state[p][f]), (f, case)
 
 
+ASGD_CASES = {
+    "plain": {"lr": 0.1},
+    "averaging-l2-maximize": {"lr": 0.1, "t0": 2, "weight_decay": 0.1, "maximize": True},
+    "from-the-start": {"lr": 0.05, "t0": 0, "lambd": 0.01, "alpha": 0.5},
+}
+
+
+@pytest.mark.parametrize("case", list(ASGD_CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_asgd_on_multi_tensor_ops_equals_the_general_path(case, dtype, fused_calls, monkeypatch):
+    """ASGD's eager step on torch's multi-tensor ops (funcgrad/optim/_foreach.py,
+    ``_asgd``) against the general path (funcgrad's kernel), two param groups: the
+    parameters, the averaged parameters and the kept eta and mu, bit for bit."""
+
+    def train(general: bool) -> tuple[dict[str, torch.Tensor], Any]:
+        model = net(dtype)
+        named = dict(model.named_parameters())
+        groups = [
+            {"params": [(n, named[n]) for n in ("0.weight", "0.bias")], "lr": 0.05},
+            {"params": [(n, p) for n, p in named.items() if not n.startswith("0.")]},
+        ]
+        with monkeypatch.context() as m:
+            if general:  # no fused plan: the optimizer's own kernel
+                m.setattr(_fused, "plan", lambda *a, **k: None)
+            opt = fg.Optimizer(groups, fg.asgd(**ASGD_CASES[case]))
+            got = run(model, opt, dtype)
+        return got, opt.tx_state
+
+    fused, fused_state = train(False)
+    assert fused_calls == ["fg.asgd"] * 2 * STEPS
+    general, general_state = train(True)
+    assert len(fused_calls) == 2 * STEPS
+    assert_bitwise(fused, general)
+    for a, b in zip(fused_state.inner_states, general_state.inner_states, strict=True):
+        assert_bitwise(a.ax, b.ax)
+        assert torch.equal(a.eta, b.eta) and torch.equal(a.mu, b.mu)
+        assert a.eta.dtype == b.eta.dtype and int(a.count) == int(b.count) == STEPS
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_low_precision_foreach_optimizers_take_the_general_path(dtype, fused_calls):
     """torch's foreach RMSprop computes in the parameters' dtype, funcgrad in float32:

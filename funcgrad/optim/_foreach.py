@@ -10,10 +10,11 @@ with the same arguments, bit for bit (``tests/test_fused_step.py``), in float32 
 float64; float16 and bfloat16 parameters take the general path, which computes them in
 float32 as every funcgrad optimizer does.
 
-ASGD is not here: torch's foreach ASGD computes ``eta`` from its float32 step tensors,
-and so differs from torch's own default (single-tensor) ASGD by 3e-9 in float64
-(``tests/test_optim_db.py`` holds funcgrad to the default at 1e-12); funcgrad's kernel
-computes it as the default does.
+ASGD runs funcgrad's own arithmetic here, on torch's multi-tensor ops (:func:`_asgd`),
+not torch's foreach ASGD: that one computes ``eta`` from its float32 step tensors, and
+so differs from torch's own default (single-tensor) ASGD by 3e-9 in float64
+(``tests/test_optim_db.py`` holds funcgrad to the default at 1e-12); funcgrad computes
+it as the default does, and this path equals funcgrad's general path bit for bit.
 
 Each entry here says which of the state's per-tensor fields torch takes, in its order
 (:attr:`Foreach.slots`), which 0-d fields torch keeps once per parameter where funcgrad
@@ -120,6 +121,41 @@ def _rprop(ps: Any, gs: Any, ss: Lists, cs: Lists, st: Any, v: Any, kw: Any, w: 
     )  # fmt: skip
 
 
+def _asgd(ps: Any, gs: Any, ss: Lists, cs: Lists, st: Any, v: Any, kw: Any, w: float) -> None:
+    """funcgrad's own ASGD (funcgrad/optim/_asgd.py: its scalars from the kept ``eta``
+    and ``mu`` as torch's default ASGD computes them, then its kernel's operations in
+    its order) on torch's in-place multi-tensor ops: the general path's values, bit for
+    bit, not torch's foreach ASGD's (which takes ``eta`` from float32 step tensors)."""
+    f64 = torch.float64
+    kept_eta, kept_mu = cs[0][0], cs[1][0]
+    t = st[0].to(f64) + 1.0  # this step's count
+    lr, lambd = torch.tensor(v["lr"], dtype=f64), torch.tensor(v["lambd"], dtype=f64)
+    first = bool(t == 1.0)
+    eta = (lr.to(kept_eta.dtype) if first else kept_eta).to(f64)
+    mu = kept_mu.to(f64)
+    alpha, t0 = torch.tensor(v["alpha"], dtype=f64), torch.tensor(v["t0"], dtype=f64)
+    new_eta = (lr / torch.pow(1.0 + lambd * lr * t, alpha)).to(kept_eta.dtype)
+    new_mu = (1.0 / torch.clamp(t - t0, min=1.0)).to(kept_mu.dtype)
+    dev = ps[0].device  # the 0-d factors where the lists are
+    g = torch._foreach_neg(gs) if kw["maximize"] else gs
+    if w != 0.0:
+        g = torch._foreach_add(g, torch._foreach_mul(ps, torch.tensor(w, dtype=f64, device=dev)))
+    new = torch._foreach_mul(ps, (1.0 - lambd * eta).to(dev))
+    torch._foreach_add_(new, torch._foreach_mul(g, (-eta).to(dev)))
+    ax = ss[0]
+    if bool(mu == 1.0):
+        torch._foreach_copy_(ax, new)
+    else:  # ax + (new - ax) * mu
+        moved = torch._foreach_sub(new, ax)
+        torch._foreach_mul_(moved, mu.to(dev))
+        torch._foreach_add_(ax, moved)
+    torch._foreach_sub_(new, ps)  # the update, added as the general path adds it
+    torch._foreach_add_(ps, new)
+    for kept, value in ((cs[0], new_eta), (cs[1], new_mu)):
+        for c in kept:
+            c.copy_(value)
+
+
 def _fixed(*fields: str) -> Callable[[Mapping[str, Any], Mapping[str, Any]], list[str]]:
     return lambda kwargs, hp: list(fields)
 
@@ -132,6 +168,7 @@ FOREACH: Mapping[str, Foreach] = MappingProxyType(
         "fg.radam": Foreach(_fixed("exp_avg", "exp_avg_sq"), (), _radam),
         "fg.adadelta": Foreach(_fixed("square_avg", "acc_delta"), (), _adadelta),
         "fg.rprop": Foreach(_fixed("prev", "step_size"), (), _rprop),
+        "fg.asgd": Foreach(_fixed("ax"), ("eta", "mu"), _asgd),
     }
 )
 

@@ -20,7 +20,8 @@ as on every other path: the kernel reads the step's values as Python floats (one
 the kernel path (funcgrad/optim/_kernel.py) advances them.
 
 RMSprop, Adamax, NAdam, RAdam, Adadelta and Rprop take the same road onto torch's
-foreach implementations (funcgrad/optim/_foreach.py), float32 and float64 only.
+foreach implementations, and ASGD onto funcgrad's own arithmetic in torch's in-place
+multi-tensor ops (funcgrad/optim/_foreach.py), float32 and float64 only.
 
 Anything else takes the general path: a traced step (``torch.compile(opt.step)``),
 another optimizer, ``eps_root``, a tensor hyperparameter that carries a gradient,
