@@ -151,9 +151,8 @@ def _asgd(ps: Any, gs: Any, ss: Lists, cs: Lists, st: Any, v: Any, kw: Any, w: f
         torch._foreach_add_(ax, moved)
     torch._foreach_sub_(new, ps)  # the update, added as the general path adds it
     torch._foreach_add_(ps, new)
-    for kept, value in ((cs[0], new_eta), (cs[1], new_mu)):
-        for c in kept:
-            c.copy_(value)
+    kept_eta.copy_(new_eta)  # the first per-parameter copy: what step() carries on
+    kept_mu.copy_(new_mu)
 
 
 def _fixed(*fields: str) -> Callable[[Mapping[str, Any], Mapping[str, Any]], list[str]]:
