@@ -22,8 +22,8 @@ demo: $(STAMP)
 	TORCHINDUCTOR_CACHE_DIR=$(COMPILE_CACHE) $(PY) examples/binarized_digits.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check funcgrad tests examples benchmarks
-	$(VENV)/bin/ruff format --check funcgrad tests examples benchmarks
+	$(VENV)/bin/ruff check funcgrad tests examples benchmarks tools
+	$(VENV)/bin/ruff format --check funcgrad tests examples benchmarks tools
 	$(VENV)/bin/mypy
 
 # Prints the 15 slowest tests and the wall time (about 14 min on 2 cores).
@@ -36,7 +36,7 @@ test: lint
 # portable code path and torch's AVX2 kernels (docs/testing.md, "On another CPU"). Its
 # own inductor cache: torch's cache does not tell kernels built for one
 # ATEN_CPU_CAPABILITY from another's, and a process reading the other's kernels
-# corrupts its heap (benchmarks/repro_inductor_isa_cache.py).
+# corrupts its heap (docs/compile-notes.md, "Torch bugs, with their repros").
 OTHER_CPU_TESTS := tests/test_examples.py tests/test_checkpoint.py tests/test_adam.py \
 	tests/test_rules.py tests/test_optimizer_class.py tests/test_low_precision.py \
 	tests/test_optimizers_everywhere.py tests/test_lr_state.py tests/test_optim_db.py \
@@ -104,12 +104,16 @@ docs: $(DOCS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_step.py --part layout-eager
+	$(PY) benchmarks/bench_step.py --part layout-compiled
+	$(PY) benchmarks/bench_step.py --part layout-update
 	$(PY) benchmarks/bench_per_sample.py
+	$(PY) benchmarks/bench_per_sample.py --part rule
 	$(PY) benchmarks/bench_compose.py
+	$(PY) benchmarks/bench_optimizers.py
 	$(PY) benchmarks/bench_dist.py
-	$(PY) benchmarks/bench_longrun.py
+	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_scaling.py
-	$(PY) benchmarks/study_flat_state.py
 	$(PY) benchmarks/bench_compile_cpu.py
 	$(PY) benchmarks/bench_drop_in.py
 	$(PY) benchmarks/bench_peers.py  # skipped unless: $(PY) -m pip install -e ".[bench]"

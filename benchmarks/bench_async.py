@@ -2,7 +2,7 @@
 to the switch, and to the end of a run, each in a fresh process with a cold inductor
 cache (its own temporary TORCHINDUCTOR_CACHE_DIR).
 
-The MLP 256-512-512-512-10 of bench_step.py at batch 64, the seed rule per layer and
+The MLP 256-512-512-512-10 of benchmarks/common.py at batch 64, the seed rule per layer and
 Adam, donated. Run: python benchmarks/bench_async.py [--steps N] [--device cuda]
 (benchmarks/gpu.sh runs it on a GPU).
 """
@@ -21,7 +21,7 @@ import time
 def child(mode: str, steps: int, device: str) -> None:
     t0 = time.perf_counter()
     import torch
-    from bench_step import mlp
+    from common import mlp
     from torch import nn
 
     import funcgrad as fg

@@ -7,7 +7,7 @@ that process and its children during the first call, not wall time: on a shared
 2-core machine wall-clock cold compiles scattered by +-3 s between identical runs,
 CPU seconds by about +-1 s.
 
-Variants, on ``study_flat_state.py``'s models (``--layers 0`` is the MLP
+Variants, on ``common.problem``'s models (``--layers 0`` is the MLP
 256-512-512-512-10, ``N`` is N x ``Linear(64, 64)`` + ReLU):
 
 - ``grad``: ``torch.compile(grad_and_value(loss))`` over one tensor per parameter
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -38,22 +37,34 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from bench_step import cold_caches, per_name
+from common import RESULTS, cold_caches, cpu_seconds, gpt_ce, gpt_problem, per_name, problem
 
 VARIANTS = ("grad", "adam", "step", "step-dict", "step-p1")
 
 
-def cpu_seconds() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+def make_call(layers: int, variant: str) -> Callable[[], object]:
+    """One step of ``variant`` on ``common.problem(layers)``, not yet called."""
+    from torch.func import grad_and_value
+
+    import funcgrad as fg
+
+    m, loss, x, y = problem(layers)
+    if variant == "grad":  # the model's own gradients, one tensor per parameter
+        f = torch.compile(grad_and_value(loss), fullgraph=True)
+        plain = per_name(m)
+        return lambda: f(plain, x, y)
+    tx: fg.GradientTransformation = fg.adam()
+    if variant != "adam":
+        tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), tx)
+    params = per_name(m) if variant == "step-dict" else fg.params(m)
+    state = tx.init(params)
+    step = fg.make_step(loss, tx, compile=True, donate=True)
+    return lambda: step(params, state, x, y)
 
 
 def gpt_call(layers: int, variant: str) -> Callable[[], object]:
     """One step of ``variant`` on examples/char_gpt.py's model, not yet called."""
-    from bench_step import gpt_ce, gpt_problem
     from torch.func import grad_and_value
 
     import funcgrad as fg
@@ -78,8 +89,6 @@ def gpt_call(layers: int, variant: str) -> Callable[[], object]:
 
 def child(layers: int, variant: str, model: str) -> dict[str, float]:
     """The first call's CPU and wall seconds, in this (fresh) process."""
-    from study_flat_state import make_call
-
     if variant == "step-p1":
         import funcgrad.rules._per_group
 
@@ -96,7 +105,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 10, 40])
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; min kept")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()

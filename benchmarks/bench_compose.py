@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 
 import torch
-from bench_step import interleaved
+from common import RESULTS, interleaved
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
@@ -186,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     repeats, number = (3, 2) if args.quick else (7, 5)
     torch.set_num_threads(torch.get_num_threads())

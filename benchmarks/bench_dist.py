@@ -20,19 +20,16 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import RESULTS, cold_caches, mlp
 from torch import nn
 
 import funcgrad as fg
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_step import cold_caches, mlp
 
 
 def deep(layers: int) -> nn.Module:
@@ -124,7 +121,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--layers", type=int, default=0, help="a stack of Linear(64, 64); 0: MLP")
     ap.add_argument("--only", nargs="*", help="run only the variants whose name contains these")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / "_dist_tmp.json"

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_step import RULE, eager_rule_on_grads, interleaved, mlp
+from common import RESULTS, RULE, eager_rule_on_grads, interleaved, mlp
 from torch import nn
 
 import funcgrad as fg
@@ -240,7 +240,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled arms")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--optimizers", action="store_true", help="every optimizer, update alone")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

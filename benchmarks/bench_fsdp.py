@@ -19,17 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -103,7 +99,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    from workers.dist_workers import free_port
+    from common import free_port
 
     mp.spawn(worker, args=(2, free_port(), args), nprocs=2)
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,12 +37,10 @@ from pathlib import Path
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fg-bench-opt-"))
 
 import torch
+from common import RESULTS, interleaved
 from torch import nn
 
 import funcgrad as fg
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import interleaved
 
 OPTIMIZERS: dict[str, tuple[Callable[[], fg.GradientTransformation], Callable[..., object]]] = {
     "sgd": (
@@ -151,7 +148,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--muon-width", type=int, default=128)
     ap.add_argument("--only", nargs="*", choices=list(OPTIMIZERS), default=list(OPTIMIZERS))
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument(
         "--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS),
         help="which variants to time side by side (fewer: less cache traffic between them)",

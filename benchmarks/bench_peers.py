@@ -41,16 +41,13 @@ import subprocess
 import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS, interleaved
 from torch import nn
 
 import funcgrad as fg
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_step import interleaved
 
 SIZES = (256, 512, 512, 512, 10)
 
@@ -311,9 +308,9 @@ def opacus_main() -> dict[str, object]:
 
 
 def hf_model(name: str) -> nn.Module:
-    """bench_ghost's tiny GPT-2 / BERT (random weights, nothing downloaded), taking ids
+    """common's tiny GPT-2 / BERT (random weights, nothing downloaded), taking ids
     and returning logits, in float64."""
-    from bench_ghost import hf_model as tiny
+    from common import hf_model as tiny
 
     inner = tiny(name)
 
@@ -460,7 +457,7 @@ def main() -> None:
     result: dict[str, object] = {}
     if "--hf" in sys.argv:
         result |= hf_main()
-        out = Path(__file__).parent / "results"
+        out = RESULTS
         out.mkdir(exist_ok=True)
         (out / "bench_peers_hf.json").write_text(json.dumps(result, indent=2))
         return
@@ -478,7 +475,7 @@ def main() -> None:
     else:
         result |= opacus_main()
     if result:
-        out = Path(__file__).parent / "results"
+        out = RESULTS
         out.mkdir(exist_ok=True)
         (out / "bench_peers.json").write_text(json.dumps(result, indent=2))
 

@@ -33,14 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import RESULTS, cold_caches, example, interleaved, per_name
 from torch import nn
 
 import funcgrad as fg
 import funcgrad.step._step as fg_internal_step
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_step import cold_caches, interleaved, per_name
-from hook_answer import attach_hook_answer
 
 DEVICE = torch.device("cpu")
 
@@ -80,7 +77,7 @@ def fg_step(m: nn.Module, compile: bool | str):
 def eager(layers: int, width: int) -> dict[str, float]:
     x, y = batch(width)
     m_hook = model(layers, width)
-    attach_hook_answer(m_hook, (nn.Linear,))
+    example("hook_answer").attach_hook_answer(m_hook, (nn.Linear,))
     opt = torch.optim.Adam(m_hook.parameters())
 
     def hook() -> None:
@@ -168,7 +165,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[10, 100, 1000])
     ap.add_argument("--compile-layers", type=int, nargs="*", default=[10, 40])
     ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (see benchmarks/gpu.sh)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -38,7 +38,17 @@ Gradient accumulation on the same model (fg.accumulate around the rule and Adam)
   acc-mid       a non-final micro-step (tx does not run), against fg-comp
   acc-4         the mean cost per micro-step with every=4
 
-Run: python benchmarks/bench_step.py [--quick] [--out DIR]
+Parts run alone with ``--part`` (each writes ``results/bench_step_<part>.json``):
+  layout-eager     the eager donated step, flat layout (fg.params) against one tensor
+                   per parameter, beside the hook answer and a plain torch step
+                   (``--layers 0 200``: 0 is the MLP, L > 0 is L blocks of Linear(64, 64))
+  layout-compiled  the compiled MLP step, flat against per tensor, with and without
+                   the rule: time, ATen calls (CUDA kernels with ``--device cuda``)
+  layout-update    the update-heavy step, compiled, flat against per tensor and fused Adam
+  processes        one compiled SGD step timed in ``--processes N`` fresh processes:
+                   how single processes scatter (compare within one process)
+
+Run: python benchmarks/bench_step.py [--quick] [--out DIR] [--part PART]
 """
 
 from __future__ import annotations
@@ -54,72 +64,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import (
+    RESULTS,
+    RULE,
+    cnn,
+    cold_caches,
+    eager_rule_on_grads,
+    example,
+    gpt_ce,
+    gpt_problem,
+    interleaved,
+    mlp,
+    per_name,
+    problem,
+    write_json,
+)
 from torch import nn
 
 import funcgrad as fg
 from funcgrad.core._fusion import realize
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from hook_answer import attach_hook_answer
-
-RULE = fg.rules.zero_fix()
-
-
-def interleaved(
-    fns: dict[str, Callable[[], object]],
-    repeats: int,
-    number: int,
-    warmup: int = 3,
-    sync: Callable[[], None] = lambda: None,
-) -> dict[str, float]:
-    """Median seconds per call of each fn, timed round-robin so drift hits all alike.
-
-    ``warmup`` calls of each first (and compile); ``sync`` waits for the device
-    before and after each timed batch (e.g. ``torch.cuda.synchronize``)."""
-    for f in fns.values():
-        for _ in range(warmup):
-            f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, f in fns.items():
-            sync()
-            t = time.perf_counter()
-            for _ in range(number):
-                f()
-            sync()
-            times[name].append((time.perf_counter() - t) / number)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-        nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10),
-    )  # fmt: skip
-
-
-def cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
-    )  # fmt: skip
-
-
-def per_name(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters as one tensor each (detached): a params dict built by
-    hand. The floor of the gradients: ``fg.params(model)`` is flat, and the gradient
-    with respect to a flat buffer (the views' slices in the backward) is no floor."""
-    return {k: p.detach() for k, p in model.named_parameters()}
-
-
-def eager_rule_on_grads(model: nn.Module, groups: fg.Groups) -> None:
-    """The correct rule for torch.optim users: after backward, per group, on .grad."""
-    named = dict(model.named_parameters())
-    for names in groups.values():
-        fixed = RULE({n: named[n].grad for n in names})
-        for n in names:
-            named[n].grad = fixed[n]
+attach_hook_answer = example("hook_answer").attach_hook_answer
 
 
 def step_variants(make_model: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor):
@@ -299,25 +264,6 @@ def update_heavy_setup(variant: str, layers: int = 8, width: int = 2048):
 GPT_VARIANTS = ("fg-comp", "fg-grads", "torch.compile+fused")
 
 
-def gpt_problem(dim: int, layers: int, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """examples/char_gpt.py's model (vocab 64, 64 tokens, 4 heads, tied embeddings,
-    dropout off) and one batch ``(x, y)``; :func:`gpt_ce` is its loss."""
-    from char_gpt import CharGPT
-
-    vocab, block = 64, 64
-    torch.manual_seed(0)
-    model = CharGPT(vocab, block, dim, layers, 4, dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (batch, block), generator=g)
-    y = torch.randint(0, vocab, (batch, block), generator=g)
-    return model, x, y
-
-
-def gpt_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of :func:`gpt_problem`'s logits against targets ``y``."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
 def gpt_setup(variant: str, dim: int = 128, layers: int = 2) -> Callable[[], object]:
     """One step of the tiny GPT of examples/char_gpt.py (tied embeddings, causal SDPA,
     dropout off for a deterministic comparison): ``fg-comp`` is funcgrad's compiled,
@@ -421,16 +367,6 @@ def first_step_child(mode: str) -> None:
     print(json.dumps({"first_step_s": time.perf_counter() - t}))
 
 
-def cold_caches(cache: str) -> dict[str, str]:
-    """Environment for a cold compile: inductor's cache dir at ``cache`` (empty), the FX
-    graph and AOTAutograd caches off."""
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": cache,
-        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-    }
-
-
 def cold_first_calls(modes: tuple[str, ...]) -> dict[str, float]:
     """Each mode's first call in its own fresh process with an empty cache dir and the
     FX graph / AOTAutograd caches off, alternating, twice: the smaller of each pair
@@ -455,10 +391,190 @@ def run_child(*args: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# --- --part layout-eager / layout-compiled / layout-update / processes ----------------
+
+
+def layout_eager(layers_list: list[int]) -> dict:
+    """The eager donated step on ``fg.params(model)`` (flat) against a params dict
+    built by hand (one tensor per parameter), beside the hook answer + Adam and a plain
+    step without a rule (``loss.backward()`` + ``Adam(foreach=True)``), for each model
+    of :func:`common.problem` (0 is the MLP, L > 0 is L blocks of Linear(64, 64))."""
+    results = {}
+    for layers in layers_list:
+        calls: dict[str, Callable[[], object]] = {}
+        for name in ("flat", "per-tensor"):
+            m, loss, x, y = problem(layers)
+            tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), fg.adam())
+            params = per_name(m) if name == "per-tensor" else fg.params(m)
+            state = tx.init(params)
+            step = fg.make_step(loss, tx, donate=True)
+            calls[name] = lambda s=step, p=params, st=state, x=x, y=y: s(p, st, x, y)
+        for name in ("hook answer", "plain torch"):
+            m, loss, x, y = problem(layers)
+            if name == "hook answer":
+                attach_hook_answer(m)
+            opt = torch.optim.Adam(m.parameters(), foreach=True)
+
+            def torch_step(m=m, opt=opt, x=x, y=y, mse=layers > 0) -> None:
+                opt.zero_grad()
+                out = m(x)
+                loss = ((out - y) ** 2).mean() if mse else nn.functional.cross_entropy(out, y)
+                loss.backward()
+                opt.step()
+
+            calls[name] = torch_step
+        ms = {k: v * 1e3 for k, v in interleaved(calls, 7, 20, warmup=1).items()}
+        tensors = sum(1 for _ in m.parameters())
+        print(f"eager step, {layers or 'MLP'} layers ({tensors} tensors):")
+        for name, t in ms.items():
+            ratios = ", ".join(f"{t / ms[o]:.2f}x {o}" for o in ms if o != name)
+            print(f"  {name:12s} {t:7.2f} ms   ({ratios})")
+        results[str(layers)] = ms
+    return results
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _compiled_mlp(flat: bool, rule: bool, device: str) -> tuple[Callable[[], object], float]:
+    """The compiled donated MLP step (Adam, the seed rule in front with ``rule``) on
+    the flat or the per-tensor layout, and its first call's seconds."""
+    torch.manual_seed(0)
+    m = mlp().to(device)
+    x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
+
+    def loss(p, x, y):
+        return nn.functional.cross_entropy(fg.call(m, p, x), y)
+
+    adam = fg.adam()
+    tx = fg.chain(fg.per_group(fg.rules.zero_fix(), fg.group_by_module(m)), adam) if rule else adam
+    params = fg.params(m) if flat else per_name(m)
+    state = tx.init(params)
+    step = fg.make_step(loss, tx, compile=True, donate=True)
+    t = time.perf_counter()
+    step(params, state, x, y)
+    _sync(device)
+    return (lambda: step(params, state, x, y)), time.perf_counter() - t
+
+
+def _launches(f: Callable[[], object], device: str, calls: int = 20) -> float:
+    """Kernels launched per call: CUDA kernel events on the GPU; on the CPU, the ATen
+    calls the profiler records (extern kernels; inductor's C++ code is one call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            f()
+        _sync(device)
+    if device == "cuda":
+        n = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    else:
+        n = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return n / calls
+
+
+def layout_compiled(device: str, repeats: int) -> dict:
+    """The compiled MLP step on the flat layout against the per-tensor one, with and
+    without the seed rule: time, kernels (or ATen calls) per step, first call."""
+    results = {}
+    for rule in (False, True):
+        name = "seed rule + adam" if rule else "adam"
+        fns, firsts = {}, {}
+        for layout in ("flat", "dict"):
+            fns[layout], firsts[layout] = _compiled_mlp(layout == "flat", rule, device)
+        steps = interleaved(fns, repeats, 30, sync=lambda: _sync(device))
+        ms = {k: v * 1e3 for k, v in steps.items()}
+        count = {k: _launches(f, device) for k, f in fns.items()}
+        what = "kernel launches" if device == "cuda" else "ATen calls"
+        print(
+            f"{name:17s} step  flat {ms['flat']:6.2f} ms  dict {ms['dict']:6.2f} ms"
+            f"  ratio {steps['flat'] / steps['dict']:.2f}\n"
+            f"{'':17s} {what} per step  flat {count['flat']:.0f}  dict {count['dict']:.0f}\n"
+            f"{'':17s} first call flat {firsts['flat']:.1f} s  dict {firsts['dict']:.1f} s"
+        )
+        results[name] = {"ms": ms, "calls": count, "first_s": firsts}
+    return results
+
+
+def layout_update(layers: int, width: int) -> dict:
+    """The update-heavy step, compiled, on the flat layout against the per-tensor one
+    and ``Adam(fused=True)`` without a rule. (glibc serves each allocation of 32 MiB or
+    more with a fresh ``mmap`` whose pages fault on first write;
+    ``MALLOC_MMAP_THRESHOLD_=4294967296`` turns that off.)"""
+    fns = {
+        "flat": update_heavy_setup("fg-comp", layers, width),
+        "per-tensor": update_heavy_setup("fg-comp-dict", layers, width),
+        "fused": update_heavy_setup("fused", layers, width),
+    }
+    t = interleaved(fns, 5, 3)
+    print(f"update-heavy step, {layers * width * width / 1e6:.1f}M parameters")
+    for k, v in t.items():
+        print(f"  {k:12s} {v * 1e3:8.2f} ms   {v / t['fused']:5.2f}x fused Adam (no rule)")
+    return t
+
+
+PROCESS_CHILD = """
+import statistics, time, torch, funcgrad as fg
+from torch import nn
+torch.compile(lambda t: t * 2 + 1, fullgraph=True)(torch.ones(4))
+gen = torch.Generator().manual_seed(0)
+model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(4)])
+G = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+tx = (fg.sgd(lr=0.01, momentum=0.9, weight_decay=1e-4) if "{opt}" == "sgd"
+      else fg.adagrad(lr=0.01, weight_decay=1e-4))
+params = fg.params(model)
+state = tx.init(params)
+step = fg.make_step(lambda p: sum((p[k] * G[k]).sum() for k in p), tx, compile=True, donate=True)
+for _ in range(20):
+    step(params, state)
+blocks = []
+for _ in range(9):
+    t = time.perf_counter()
+    for _ in range(100):
+        step(params, state)
+    blocks.append((time.perf_counter() - t) / 100)
+print(statistics.median(blocks) * 1e3)
+"""
+
+
+def processes(optimizer: str, count: int) -> list[float]:
+    """One compiled SGD (or Adagrad) step on 4 x (512 x 512) matrices timed in
+    ``count`` fresh processes (median of 9 blocks of 100 steps each): how single
+    processes scatter (on the 2-core machine this was written on, some ran the step
+    about 3x slower than others for their whole life)."""
+    ms = []
+    for i in range(count):
+        code = PROCESS_CHILD.replace("{opt}", optimizer)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"process {i} failed:\n{out.stderr[-2000:]}")
+        ms.append(float(out.stdout.split()[-1]))
+        print(f"process {i}: {ms[-1]:.3f} ms/step", flush=True)
+    print(f"{optimizer}: median over {len(ms)} processes {statistics.median(ms):.3f} ms "
+          f"(range {min(ms):.3f}-{max(ms):.3f})")  # fmt: skip
+    return ms
+
+
+PARTS = ("all", "layout-eager", "layout-compiled", "layout-update", "processes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="funcgrad step benchmarks")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and a smaller update model")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--part", choices=PARTS, default="all",
+        help="all: the step tables; layout-*: the flat layout against one tensor per "
+        "parameter (eager, compiled, update-heavy); processes: one step's spread "
+        "across fresh processes",
+    )  # fmt: skip
+    ap.add_argument("--layers", type=int, nargs="+", default=[0, 200], help="layout-eager")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="layout-compiled")
+    ap.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd", help="processes")
+    ap.add_argument("--processes", type=int, default=8, help="processes")
     ap.add_argument("--child", choices=["memory", "first"], help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -467,10 +583,26 @@ def main() -> None:
         return memory_child(args.variant, layers, width)
     if args.child == "first":
         return first_step_child(args.variant or "step")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}")
+    if args.part != "all":
+        part: object
+        if args.part == "layout-eager":
+            part = layout_eager(args.layers)
+        elif args.part == "layout-compiled":
+            part = layout_compiled(args.device, 5 if args.quick else 9)
+        elif args.part == "layout-update":
+            part = layout_update(layers, width)
+        else:
+            part = processes(args.optimizer, args.processes)
+        suffix = "" if args.device == "cpu" else f"_{args.device}"
+        write_json(args.out, f"bench_step_{args.part}{suffix}", part)
+        return
 
     repeats, number = (5, 10) if args.quick else (9, 20)
     results: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU"]
+    lines: list[str] = []
 
     for name, make, x, y in (
         ("mlp", mlp, torch.randn(64, 256), torch.randint(0, 10, (64,))),
@@ -566,9 +698,7 @@ def main() -> None:
     )
 
     print("\n".join(lines))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_step.json").write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.out / 'bench_step.json'}")
+    write_json(args.out, "bench_step", results)
 
 
 if __name__ == "__main__":

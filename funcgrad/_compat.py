@@ -87,6 +87,7 @@ def functional_collectives() -> ModuleType:
 # interpreter exit, where a gloo thread that takes the GIL during finalization aborts
 # the process ("terminate called without an active exception"). Imported before, the
 # defaults are None. Checked on 2.13 and 2.14 (docs/distributed.md, "At exit").
+# Repro (plain torch, six lines): docs/compile-notes.md, "Torch bugs, with their repros".
 # Replacement: none needed once torch resolves that default per call.
 def import_distributed_nn_early() -> None:
     """Import ``torch.distributed.nn.functional`` now (2-8 ms), before a process group

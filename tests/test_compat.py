@@ -49,7 +49,8 @@ def test_functorch_interpreter_stack_and_wrappers():
 def test_distributed_nn_is_imported_with_funcgrad_so_its_defaults_hold_no_group():
     """torch.distributed.nn.functional evaluates ``group=group.WORLD`` when imported;
     funcgrad imports it first (before any process group), so those defaults are None
-    and do not keep a destroyed world group alive (benchmarks/repro_pinned_group.py)."""
+    and do not keep a destroyed world group alive (docs/compile-notes.md, "Torch bugs,
+    with their repros")."""
     import torch.distributed.nn.functional as dnf
 
     _compat.import_distributed_nn_early()

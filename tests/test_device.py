@@ -1,6 +1,6 @@
 """The main paths on the device named by ``FUNCGRAD_TEST_DEVICE`` (default: cpu).
 
-CI runs this file on the CPU with everything else; ``benchmarks/gpu.sh`` runs it with
+CI runs this file on the CPU with everything else; ``tools/gpu.sh`` runs it with
 ``FUNCGRAD_TEST_DEVICE=cuda``. Every reference is computed on the same device: Adam
 against ``torch.optim`` (float32, float16, bfloat16), the compiled (inductor) donated
 step and ``compile="gradients"`` against the eager step, vmap per-sample gradients against a Python loop,

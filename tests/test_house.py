@@ -339,6 +339,44 @@ def test_library_code_never_points_at_benchmarks():
     assert not found, f"{found}: point at docs/ (benchmarks/ is not in the package)"
 
 
+def _suite_offenders(folder: Path) -> list[str]:
+    """What makes a folder of benchmark scripts a lab notebook rather than a suite."""
+    offenders = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name.startswith(("study_", "repro_", "stress_")):
+            offenders.append(f"{path.name}: studies and repros retire to docs/, stress to tools/")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.name} imports {n}" for n in names if n.startswith("bench_")]
+            if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("sys.path."):
+                offenders.append(f"{path.name} edits sys.path")
+    return offenders
+
+
+def test_benchmarks_are_a_suite_over_one_shared_module():
+    """Every benchmark imports what it shares from benchmarks/common.py only (not from
+    another benchmark), edits no ``sys.path`` (a script's own folder is on it), and no
+    one-off study, torch repro or stress run sits among them."""
+    offenders = _suite_offenders(ROOT / "benchmarks")
+    assert not offenders, offenders
+
+
+def test_the_suite_check_sees_a_lab_notebook(tmp_path: Path):
+    """The check above fails on what benchmarks/ held before #53's second pass."""
+    (tmp_path / "bench_a.py").write_text("import sys\nsys.path.insert(0, 'x')\n")
+    (tmp_path / "bench_b.py").write_text("from bench_a import interleaved\n")
+    (tmp_path / "study_c.py").write_text("")
+    assert _suite_offenders(tmp_path) == [
+        "bench_a.py edits sys.path",
+        "bench_b.py imports bench_a",
+        "study_c.py: studies and repros retire to docs/, stress to tools/",
+    ]
+
+
 def test_import_funcgrad_loads_no_distributed_checkpoint():
     """``import funcgrad`` loads ``torch.distributed.checkpoint`` and the functional
     collectives only when used (a fresh interpreter)."""

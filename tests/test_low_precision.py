@@ -127,7 +127,8 @@ def test_eager_rounding_options():
 
 def test_a_shared_inductor_cache_under_another_cpu_capability_warns():
     """torch's on-disk cache does not separate kernels by ATEN_CPU_CAPABILITY (a process
-    reading the other's corrupts its heap: benchmarks/repro_inductor_isa_cache.py)."""
+    reading the other's corrupts its heap: docs/compile-notes.md, "Torch bugs, with their
+    repros")."""
     import warnings
 
     from funcgrad.step._checks import warn_shared_cache

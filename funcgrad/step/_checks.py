@@ -204,9 +204,9 @@ def warn_shared_cache(environ: Mapping[str, str]) -> None:
     torch 2.13's cache does not tell kernels built for one CPU capability from
     another's: a process on AVX-512 that reads kernels compiled under
     ``ATEN_CPU_CAPABILITY=avx2`` computes garbage or corrupts its heap (glibc aborts
-    such as ``free(): invalid pointer``; docs/testing.md, "On another CPU", says how
-    it shows without funcgrad). Warnings pass a Python's default filter once
-    per place, so this needs no registry of its own."""
+    such as ``free(): invalid pointer``; the repro, plain torch, is in
+    docs/compile-notes.md, "Torch bugs, with their repros"). Warnings pass a Python's
+    default filter once per place, so this needs no registry of its own."""
     capability = environ.get("ATEN_CPU_CAPABILITY")
     if capability and not environ.get("TORCHINDUCTOR_CACHE_DIR"):
         warnings.warn(

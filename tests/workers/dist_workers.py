@@ -135,7 +135,7 @@ def destroy(rank: int, out: str, check: bool = True) -> None:
     alive, as at the end of a script; records whether it freed the group (else gloo's
     threads run on into interpreter exit, a rare SIGABRT there: funcgrad/_compat.py).
     :func:`spawn` checks the record. ``check=False`` where torch itself keeps the
-    group (FSDP2's DTensors: benchmarks/repro_pinned_group.py)."""
+    group (FSDP2's DTensors: docs/compile-notes.md, "Torch bugs")."""
     global _TORCH_KEEPS_GROUP
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()

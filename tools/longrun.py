@@ -4,7 +4,7 @@ A small MLP on random data with monitor -> zero rule -> Adam, compiled and donat
 (and, for comparison, compiled without donation). Prints VmRSS every 250 steps and
 the growth from step 250 to the end; a leak would show as steady growth.
 
-Run: python benchmarks/bench_longrun.py [--steps N]
+Run: python tools/longrun.py [--steps N]
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def run(steps: int, donate: bool) -> list[tuple[int, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    )
     args = ap.parse_args()
     result = {}
     for donate in (True, False):

@@ -2,7 +2,7 @@
 # GPU checks (issue #13, target 8), for a machine with a CUDA device.
 #
 # Uses that machine's own Python and torch (a CUDA build; nothing is downloaded):
-#     PYTHON=python3 bash benchmarks/gpu.sh
+#     PYTHON=python3 bash tools/gpu.sh
 # Needs torch (CUDA), optree, pytest and numpy importable by $PYTHON; funcgrad is
 # taken from this checkout (PYTHONPATH). Writes its outputs to $OUT
 # (default benchmarks/results): gpu_tests.txt, gpu_scaling.txt and its JSON, gpu_flat.txt,
@@ -16,17 +16,13 @@
 #    torch.optim, cold compile and step (compile=True and compile="gradients") against
 #    the gradient computation alone, for 10/100/1000 small layers (compiles for 10 and
 #    40).
-# 3. benchmarks/bench_flat_compiled.py --device cuda: the compiled MLP step on the flat
+# 3. benchmarks/bench_step.py --part layout-compiled --device cuda: the compiled MLP step on the flat
 #    layout (fg.params) against the per-tensor one (a dict built by hand), interleaved,
 #    and the CUDA kernels each launches per step (torch.profiler) (#21).
 # 4. benchmarks/bench_async.py --device cuda: compile="async" against compile=True and
 #    the eager step, each in a fresh process with a cold inductor cache: time to the
 #    first step, the switch and the end of 1000 steps (#41).
-# 5. benchmarks/study_fused_adam_op.py --device cuda: torch's fused Adam kernel as a
-#    custom op inside the compiled step against funcgrad's compiled step (inductor's
-#    update) and a hand-written inductor update, bit for bit against
-#    Adam(fused=True) (#41 part 4): gpu_fused_adam.txt.
-# 6. benchmarks/bench_drop_in.py --device cuda: fg.Optimizer's eager step on CUDA's
+# 5. benchmarks/bench_drop_in.py --device cuda: fg.Optimizer's eager step on CUDA's
 #    fused kernels against torch.optim.AdamW(fused=True), foreach, the compiled arms and
 #    HeavyBall where installed, three workloads (#52): gpu_drop_in.txt.
 #
@@ -41,7 +37,7 @@ SCALE=${GPU_TIME_SCALE:-1}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch, optree, pytest
-assert torch.cuda.is_available(), "benchmarks/gpu.sh: no CUDA device visible to torch"
+assert torch.cuda.is_available(), "tools/gpu.sh: no CUDA device visible to torch"
 print("torch", torch.__version__, "on", torch.cuda.get_device_name())' || exit 1
 failed=0
 check() {  # check NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.txt
@@ -58,9 +54,9 @@ check() {  # check NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.txt
 check gpu_tests 110 env FUNCGRAD_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_device.py
 check gpu_async 150 "$PY" benchmarks/bench_async.py --device cuda
-check gpu_fused_adam 80 "$PY" benchmarks/study_fused_adam_op.py --device cuda
 check gpu_drop_in 200 "$PY" benchmarks/bench_drop_in.py --device cuda --out "$OUT"
-check gpu_flat 60 "$PY" benchmarks/bench_flat_compiled.py --device cuda
+check gpu_flat 60 "$PY" benchmarks/bench_step.py --part layout-compiled --device cuda \
+    --out "$OUT"
 check gpu_scaling 110 "$PY" benchmarks/bench_scaling.py --device cuda --out "$OUT" \
     --layers 10 100 1000 --compile-layers 10 40
 exit $failed

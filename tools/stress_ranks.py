@@ -10,7 +10,7 @@ MALLOC_PERTURB_=165``) and faulthandler on. A run counts as dead when any rank e
 non-zero or by a signal, or the results differ from the first run's. Prints one line
 per run and the count; the stderr of a dead run is kept under --keep.
 
-Run: python benchmarks/stress_ranks.py [--runs 50] [--world 2 3] [--mode compiled_inductor]
+Run: python tools/stress_ranks.py [--runs 50] [--world 2 3] [--mode compiled_inductor]
 (a cold 2-rank run takes about 40-60 s on 2 cores).
 """
 
