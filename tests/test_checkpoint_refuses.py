@@ -159,3 +159,52 @@ def test_a_rank_dying_mid_save_says_what_was_published(tmp_path, monkeypatch, di
     else:
         assert latest != first
         assert f"this save was published ({str(latest)!r}, whole: LATEST names it)" in text
+
+
+def test_torch_state_converters_refuse_a_sharded_state(one_rank):
+    """fg.state_from_torch / state_to_torch walk a state with the optimizer states'
+    one walker (fg.get_hyperparams' own): a sharded state is refused by both, by name."""
+    model = three_layers()
+    params = fg.params(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tx = fg.sharded(fg.adam(lr=1e-2))
+    state = tx.init(dict(params))
+    message = "the state is sharded across ranks (fg.sharded); convert the state of the unsharded"
+    with pytest.raises(TypeError, match=re.escape("fg.state_to_torch: " + message)):
+        fg.state_to_torch(tx, state, opt, params)
+    with pytest.raises(TypeError, match=re.escape("fg.state_from_torch: " + message)):
+        fg.state_from_torch(tx, opt, params)
+
+
+def test_torch_state_converters_find_the_optimizer_where_get_hyperparams_does():
+    """An optimizer state nested in a chain inside a NamedTuple, a list and a dict of
+    a custom transformation's state: the converters replace it in place and leave the
+    rest as it was; equal to torch.optim.SGD's own state after a step."""
+    model = three_layers()
+    params = fg.params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    inner = fg.chain(fg.clip_by_global_norm(1.0), fg.sgd(lr=0.1, momentum=0.9))
+
+    def init(p):
+        return {"kept": [torch.tensor(7.0), inner.init(p)]}
+
+    def update(g, s, p=None):
+        out, new = inner.update(g, s["kept"][1], p)
+        return out, {"kept": [s["kept"][0], new]}
+
+    tx = fg.GradientTransformation(init, update)
+    state = fg.state_from_torch(tx, opt, params)
+    assert fg.get_hyperparams(state) == [{"lr": 0.1, "momentum": 0.9, "dampening": 0.0}]
+    assert float(state["kept"][0]) == 7.0
+    sgd = state["kept"][1][0][1]  # ChainState((clip state, SGD state))
+    assert type(sgd).__name__ == "SGDState"
+    for n, p in model.named_parameters():
+        assert torch.equal(sgd.momentum_buffer[n], opt.state[p]["momentum_buffer"])
+    other = three_layers(1)
+    again = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    fg.state_to_torch(tx, state, again, fg.params(other))
+    for p, q in zip(again.param_groups[0]["params"], model.parameters(), strict=True):
+        assert torch.equal(again.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])

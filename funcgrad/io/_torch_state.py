@@ -20,12 +20,14 @@ from torch import Tensor
 
 from ..core import _flat as flat
 from ..core._base import GradientTransformation, State, is_int
+from ..distributed._whole import contains_sharded
 from ..optim._adadelta import AdadeltaState
 from ..optim._adafactor import AdafactorState
 from ..optim._adagrad import AdagradState
 from ..optim._adam import AdamState
 from ..optim._adamax import AdamaxState
 from ..optim._asgd import ASGDState
+from ..optim._get_set import optimizer_states, with_optimizer_states
 from ..optim._hparams import scalar_fields, slot_fields, torch_scalar_dtype
 from ..optim._lbfgs import LBFGSState
 from ..optim._muon import MuonState
@@ -100,26 +102,15 @@ _TWINS: dict[type, _Twin] = {
 }
 
 
-def _find(state: State, who: str) -> tuple[tuple[Any, ...], Any]:
-    """The path to the one optimizer state inside ``state``, and that state."""
-    found: list[tuple[tuple[Any, ...], Any]] = []
-
-    def walk(x: Any, path: tuple[Any, ...]) -> None:
-        if type(x) in _TWINS:
-            found.append((path, x))
-        elif type(x).__name__ == "ShardedState":
-            raise TypeError(
-                f"{who}: the state is sharded across ranks (fg.sharded); convert the state "
-                "of the unsharded transformation (tx without fg.sharded) and shard that."
-            )
-        elif isinstance(x, tuple):
-            for i, child in enumerate(x):
-                walk(child, (*path, i))
-        elif isinstance(x, Mapping) and not isinstance(x, flat.Flat):
-            for k, child in x.items():
-                walk(child, (*path, k))
-
-    walk(state, ())
+def _find(state: State, who: str) -> tuple[int, Any]:
+    """The one optimizer state with a torch.optim twin inside ``state``: its index among
+    the state's optimizer states (:func:`optimizer_states`' order) and the state."""
+    if contains_sharded(state):
+        raise TypeError(
+            f"{who}: the state is sharded across ranks (fg.sharded); convert the state "
+            "of the unsharded transformation (tx without fg.sharded) and shard that."
+        )
+    found = [(i, x) for i, x in enumerate(optimizer_states(state)) if type(x) in _TWINS]
     if len(found) != 1:
         kinds = sorted(type(x).__name__ for _, x in found) or "none"
         raise TypeError(
@@ -131,17 +122,11 @@ def _find(state: State, who: str) -> tuple[tuple[Any, ...], Any]:
     return found[0]
 
 
-def _replace(x: Any, path: tuple[Any, ...], new: Any) -> Any:
-    if not path:
-        return new
-    head, rest = path[0], path[1:]
-    if isinstance(x, tuple):
-        items = list(x)
-        items[head] = _replace(items[head], rest, new)
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    copy = dict(x)
-    copy[head] = _replace(copy[head], rest, new)
-    return type(x)(copy)
+def _replace(state: State, index: int, new: Any) -> Any:
+    """``state`` with its ``index``-th optimizer state replaced by ``new``."""
+    states = optimizer_states(state)
+    states[index] = new
+    return with_optimizer_states(state, states)
 
 
 def _pairs(
