@@ -140,3 +140,37 @@ def test_buffers_step_errors():
         ),
     ):
         step(params, tx.init(params), fg.buffers(model), x, x)
+
+
+def test_the_step_watch_follows_the_context_not_the_process():
+    """``fg.call`` refuses a buffer write only inside a step's forward: in this context
+    and the asyncio tasks it starts, never in another thread (the flag is a
+    ``ContextVar``, funcgrad/model/_model.py)."""
+    import asyncio
+    import threading
+
+    from funcgrad.model._model import watching_buffers
+
+    bn = torch.nn.BatchNorm1d(3).train()
+    params = dict(fg.params(bn))
+    x = torch.randn(4, 3)
+    seen: list[str] = []
+
+    def plain_call() -> None:
+        try:
+            fg.call(bn, params, x)
+            seen.append("ran")
+        except RuntimeError as err:
+            seen.append("refused" if "buffers=True" in str(err) else repr(err))
+
+    async def in_a_task() -> None:
+        plain_call()
+
+    with watching_buffers():
+        plain_call()  # this context: refused
+        t = threading.Thread(target=plain_call)
+        t.start()
+        t.join()  # a new thread: a plain call
+        asyncio.run(in_a_task())  # a task copies this context: refused
+    plain_call()  # after the step: a plain call
+    assert seen == ["refused", "ran", "refused", "ran"]

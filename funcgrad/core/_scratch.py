@@ -15,7 +15,7 @@ stay allocated between steps (Adam: four per large parameter).
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -63,27 +63,24 @@ class Scratch:
         self.lent.clear()
 
 
-class _Active(threading.local):
-    scratch: Scratch | None = None
-
-
-_ACTIVE = _Active()
+_ACTIVE: contextvars.ContextVar[Scratch | None] = contextvars.ContextVar(
+    "funcgrad_scratch", default=None
+)
 
 
 @contextlib.contextmanager
 def lending(scratch: Scratch) -> Iterator[None]:
-    """While on, :func:`borrowing` returns ``scratch`` in this thread."""
-    was = _ACTIVE.scratch
-    _ACTIVE.scratch = scratch
+    """While on, :func:`borrowing` returns ``scratch`` in this context (thread, task)."""
+    token = _ACTIVE.set(scratch)
     try:
         yield
     finally:
-        _ACTIVE.scratch = was
+        _ACTIVE.reset(token)
 
 
 def borrowing(like: Tensor) -> Scratch | None:
-    """The scratch to borrow from for tensors like ``like``, or None: allocate."""
-    s = _ACTIVE.scratch
-    if s is None or like.device.type != "cpu" or compiling():
+    """The scratch to borrow from for tensors like ``like``, or None: allocate. Traced,
+    always None (checked first: dynamo does not trace ``ContextVar.get``)."""
+    if compiling() or like.device.type != "cpu":
         return None
-    return s
+    return _ACTIVE.get()

@@ -7,6 +7,7 @@ function ``(params, buffers, inputs) -> outputs`` through ``functional_call``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import threading
 import weakref
@@ -195,11 +196,7 @@ def load_params(model: nn.Module, params: Mapping[str, Tensor]) -> None:
                 target.copy_(value)
 
 
-class _Watch(threading.local):
-    on = False
-
-
-_WATCH = _Watch()
+_WATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("funcgrad_watch", default=False)
 
 
 @contextlib.contextmanager
@@ -213,12 +210,11 @@ def watching_buffers() -> Iterator[None]:
     The version counters make one rule for both: a step writes buffers only when
     they travel through it (``make_step(buffers=True)``).
     """
-    was = _WATCH.on
-    _WATCH.on = True
+    token = _WATCH.set(True)
     try:
         yield
     finally:
-        _WATCH.on = was
+        _WATCH.reset(token)
 
 
 def call(
@@ -259,10 +255,11 @@ def call(
     # while functional_call swaps the tensors in or back would leave the module holding
     # the given tensors instead of its parameters (42 of 300 random Ctrl-C's did, on a
     # 20-layer MLP): it is held back until the forward is done, then delivered.
-    watch = _WATCH.on and buffers is None
+    watch = _WATCH.get() and buffers is None
     # A shadow is this call's own (made below): no other thread swaps in it, no lock.
-    turns: Any = contextlib.nullcontext() if _SHADOW.on else lock_of(model)
-    if _SHADOW.on:
+    shadow = _SHADOW.get()
+    turns: Any = contextlib.nullcontext() if shadow else lock_of(model)
+    if shadow:
         model = _shadow(model, {})
     with turns, sigint_held():
         before = [b._version for b in bufs] if watch else None
@@ -272,11 +269,7 @@ def call(
         return out
 
 
-class _Shadowing(threading.local):
-    on = False
-
-
-_SHADOW = _Shadowing()
+_SHADOW: contextvars.ContextVar[bool] = contextvars.ContextVar("funcgrad_shadow", default=False)
 
 
 @contextlib.contextmanager
@@ -294,12 +287,11 @@ def shadowing() -> Iterator[None]:
     ``model.train()``/``eval()`` and anything else set on the module between steps;
     its cost (one shallow copy per submodule per forward) is paid only while a build
     runs."""
-    was = _SHADOW.on
-    _SHADOW.on = True
+    token = _SHADOW.set(True)
     try:
         yield
     finally:
-        _SHADOW.on = was
+        _SHADOW.reset(token)
 
 
 def _shadow(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
