@@ -238,3 +238,43 @@ def test_compiled_donated_step_updates_0d_params(dtype):
     assert float(got["temperature"]) != 1.5
     assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
     assert float(compiled_model.temperature.detach()) == float(got["temperature"])
+
+
+def test_the_step_returns_a_named_tuple_of_its_parts():
+    """(params, state, loss), buffers after state, aux last; the same values as
+    unpacked, eagerly and under vmap (an ensemble's stacked params)."""
+    model = torch.nn.Linear(3, 2).double()
+    tx = fg.sgd(lr=0.1)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(p, x):
+        return fg.call(model, p, x).square().mean()
+
+    def loss_aux(p, x):
+        out = fg.call(model, p, x)
+        return out.square().mean(), {"mean": out.mean()}
+
+    p = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out = fg.make_step(loss, tx)(p, tx.init(p), x)
+    assert out._fields == ("params", "state", "loss")
+    new, _, value = out
+    assert out.params is new and out.loss is value
+    torch.testing.assert_close(value, loss(p, x))
+    aux = fg.make_step(loss_aux, tx, has_aux=True)(p, tx.init(p), x)
+    assert aux._fields == ("params", "state", "loss", "aux")
+    torch.testing.assert_close(aux.aux["mean"], fg.call(model, p, x).mean())
+    for k in p:
+        torch.testing.assert_close(aux.params[k], new[k])
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).double()
+    bn = fg.make_step(lambda p, b, x: fg.call(net, p, x, buffers=b).square().mean(), tx,
+                      buffers=True)  # fmt: skip
+    q = {k: v.detach().clone() for k, v in net.named_parameters()}
+    b = {k: v.clone() for k, v in net.named_buffers()}
+    got = bn(q, tx.init(q), b, x)
+    assert got._fields == ("params", "state", "buffers", "loss")
+    assert int(got.buffers["1.num_batches_tracked"]) == 1
+    stacked = {k: torch.stack([v, v + 1]) for k, v in p.items()}
+    step = fg.make_step(loss, tx)
+    ens = torch.func.vmap(lambda p: step(p, tx.init(p), x), randomness="same")(stacked)
+    assert type(ens).__name__ == "StepResult"
+    torch.testing.assert_close(ens.loss[0], value)

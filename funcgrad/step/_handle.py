@@ -3,7 +3,51 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class StepResult(NamedTuple):
+    """``step(params, state, *batch)``'s result: ``(params, state, loss)``."""
+
+    params: Any
+    state: Any
+    loss: Any
+
+
+class StepResultAux(NamedTuple):
+    """The result with ``has_aux=True``: ``(params, state, loss, aux)``."""
+
+    params: Any
+    state: Any
+    loss: Any
+    aux: Any
+
+
+class StepResultBuffers(NamedTuple):
+    """The result with ``buffers=True``: ``(params, state, buffers, loss)``."""
+
+    params: Any
+    state: Any
+    buffers: Any
+    loss: Any
+
+
+class StepResultBuffersAux(NamedTuple):
+    """The result with ``buffers=True`` and ``has_aux=True``:
+    ``(params, state, buffers, loss, aux)``."""
+
+    params: Any
+    state: Any
+    buffers: Any
+    loss: Any
+    aux: Any
+
+
+def result_type(buffers: bool, has_aux: bool) -> type[tuple[Any, ...]]:
+    """The NamedTuple a step built with these options returns."""
+    if buffers:
+        return StepResultBuffersAux if has_aux else StepResultBuffers
+    return StepResultAux if has_aux else StepResult
 
 
 class Step:
@@ -15,17 +59,27 @@ class Step:
     process's build ends (or ``timeout`` seconds) and say whether it built the
     compiled step; otherwise nothing is being built, and it says whether the step is
     compiled.
+
+    A call returns a NamedTuple (:func:`result_type`): ``(params, state, loss)``, with
+    ``buffers`` after ``state`` for ``buffers=True`` and ``aux`` last for
+    ``has_aux=True``; unpack it as a tuple or read its fields (``out.loss``).
     """
 
-    __slots__ = ("_call", "_wait", "is_compiled")
+    __slots__ = ("_call", "_result", "_wait", "is_compiled")
 
-    def __init__(self, call: Callable[..., tuple[Any, ...]], is_compiled: bool = False) -> None:
+    def __init__(
+        self,
+        call: Callable[..., tuple[Any, ...]],
+        is_compiled: bool = False,
+        result: type[tuple[Any, ...]] = StepResult,
+    ) -> None:
         self._call = call
+        self._result = result
         self._wait: Callable[[float | None], bool] | None = None
         self.is_compiled = is_compiled
 
     def __call__(self, params: Any, state: Any, *batch: Any) -> tuple[Any, ...]:
-        return self._call(params, state, *batch)
+        return self._result(*self._call(params, state, *batch))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """See the class docstring."""

@@ -17,7 +17,7 @@ from ..core._compose import transform_active
 from ..core._flat import Flat
 from ..core._vector import flat_vector, unflatten
 from ._checks import compile_scope
-from ._handle import Step
+from ._handle import Step, result_type
 
 
 def minimize_step(
@@ -81,4 +81,4 @@ def minimize_step(
             out_params = new
         return (out_params, state, *first) if has_aux else (out_params, state, first)
 
-    return Step(step, is_compiled=scope is not None)
+    return Step(step, is_compiled=scope is not None, result=result_type(False, has_aux))

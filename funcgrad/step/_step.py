@@ -65,7 +65,7 @@ from ._async import Background, Run
 from ._checks import Checks, compile_scope
 from ._ghost import GhostGradients, hooked
 from ._gradients import after_gradients, autograd_gradients, ghost_of, gradient_function
-from ._handle import Step
+from ._handle import Step, result_type
 from ._minimize import minimize_step
 
 
@@ -297,6 +297,12 @@ def make_step(
             leaves them; they are inputs and outputs of the pure step, so it stays
             one graph.
 
+    Returns:
+        the step, a :class:`~funcgrad.step._handle.Step`. Each call returns a
+        NamedTuple ``(params, state, loss)``; with ``buffers=True``
+        ``(params, state, buffers, loss)``; with ``has_aux`` ``aux`` last. Unpack it as
+        a tuple, or read ``out.loss``, ``out.aux``.
+
     Under a ``torch.func`` transform (``vmap`` over an ensemble's stacked params,
     ``grad`` through training steps for meta-learning) the step runs its pure math
     eagerly, whatever ``compile`` says, and cannot be donated. To compile such a
@@ -315,6 +321,8 @@ def make_step(
         >>> params, state, l = step(params, state, torch.randn(4, 2), torch.randn(4, 1))
         >>> int(state.inner_states[1].count), params["weight"].data_ptr() == model.weight.data_ptr()
         (1, True)
+        >>> step(params, state, torch.randn(4, 2), torch.randn(4, 1))._fields
+        ('params', 'state', 'loss')
 
         Only the forward and backward compiled (inductor), ``tx`` eager; options for
         ``torch.compile`` go in a dict with ``"scope"``:
@@ -375,7 +383,7 @@ def make_step(
         with core.scope():
             return call(params, state, *args)
 
-    step = Step(scoped)
+    step = Step(scoped, result=result_type(buffers, has_aux))
 
     def call(params: Params, state: State, *args: Any) -> tuple[Any, ...]:
         if isinstance(params, Flat):
