@@ -6,14 +6,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 
-class StepResult(NamedTuple):
-    """``step(params, state, *batch)``'s result: ``(params, state, loss)``."""
-
-    params: Any
-    state: Any
-    loss: Any
-
-
 class StepResultAux(NamedTuple):
     """The result with ``has_aux=True``: ``(params, state, loss, aux)``."""
 
@@ -43,11 +35,12 @@ class StepResultBuffersAux(NamedTuple):
     aux: Any
 
 
-def result_type(buffers: bool, has_aux: bool) -> type[tuple[Any, ...]]:
-    """The NamedTuple a step built with these options returns."""
+def result_type(buffers: bool, has_aux: bool) -> type[tuple[Any, ...]] | None:
+    """The NamedTuple a step built with these options returns; None: a plain
+    ``(params, state, loss)`` tuple (three parts need no names)."""
     if buffers:
         return StepResultBuffersAux if has_aux else StepResultBuffers
-    return StepResultAux if has_aux else StepResult
+    return StepResultAux if has_aux else None
 
 
 class Step:
@@ -60,9 +53,9 @@ class Step:
     compiled step; otherwise nothing is being built, and it says whether the step is
     compiled.
 
-    A call returns a NamedTuple (:func:`result_type`): ``(params, state, loss)``, with
-    ``buffers`` after ``state`` for ``buffers=True`` and ``aux`` last for
-    ``has_aux=True``; unpack it as a tuple or read its fields (``out.loss``).
+    A call returns ``(params, state, loss)``, a plain tuple; with ``buffers=True``
+    (``buffers`` after ``state``) or ``has_aux=True`` (``aux`` last) a NamedTuple
+    (:func:`result_type`): unpack it as a tuple or read its fields (``out.loss``).
     """
 
     __slots__ = ("_call", "_result", "_wait", "is_compiled")
@@ -71,7 +64,7 @@ class Step:
         self,
         call: Callable[..., tuple[Any, ...]],
         is_compiled: bool = False,
-        result: type[tuple[Any, ...]] = StepResult,
+        result: type[tuple[Any, ...]] | None = None,
     ) -> None:
         self._call = call
         self._result = result
@@ -79,7 +72,8 @@ class Step:
         self.is_compiled = is_compiled
 
     def __call__(self, params: Any, state: Any, *batch: Any) -> tuple[Any, ...]:
-        return self._result(*self._call(params, state, *batch))
+        out = self._call(params, state, *batch)
+        return out if self._result is None else self._result(*out)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """See the class docstring."""

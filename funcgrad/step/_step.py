@@ -298,10 +298,10 @@ def make_step(
             one graph.
 
     Returns:
-        the step, a :class:`~funcgrad.step._handle.Step`. Each call returns a
-        NamedTuple ``(params, state, loss)``; with ``buffers=True``
-        ``(params, state, buffers, loss)``; with ``has_aux`` ``aux`` last. Unpack it as
-        a tuple, or read ``out.loss``, ``out.aux``.
+        the step, a :class:`~funcgrad.step._handle.Step`. Each call returns
+        ``(params, state, loss)``, a plain tuple; with ``buffers=True`` a NamedTuple
+        ``(params, state, buffers, loss)``, with ``has_aux`` one with ``aux`` last:
+        unpack it as a tuple, or read ``out.loss``, ``out.aux``.
 
     Under a ``torch.func`` transform (``vmap`` over an ensemble's stacked params,
     ``grad`` through training steps for meta-learning) the step runs its pure math
@@ -321,8 +321,6 @@ def make_step(
         >>> params, state, l = step(params, state, torch.randn(4, 2), torch.randn(4, 1))
         >>> int(state.inner_states[1].count), params["weight"].data_ptr() == model.weight.data_ptr()
         (1, True)
-        >>> step(params, state, torch.randn(4, 2), torch.randn(4, 1))._fields
-        ('params', 'state', 'loss')
 
         Only the forward and backward compiled (inductor), ``tx`` eager; options for
         ``torch.compile`` go in a dict with ``"scope"``:
@@ -338,9 +336,9 @@ def make_step(
         >>> bn_loss = lambda p, b, x: fg.call(net, p, x, buffers=b).square().mean()
         >>> step = fg.make_step(bn_loss, fg.adam(), buffers=True, donate=True)
         >>> p, b = fg.params(net), fg.buffers(net)
-        >>> p, s, b, l = step(p, fg.adam().init(p), b, torch.randn(4, 2))
-        >>> int(net[1].num_batches_tracked)
-        1
+        >>> out = step(p, fg.adam().init(p), b, torch.randn(4, 2))
+        >>> out._fields, int(out.buffers["1.num_batches_tracked"])
+        (('params', 'state', 'buffers', 'loss'), 1)
     """
     require_transformation(tx, "fg.make_step: tx")
     if per_sample is not None:
