@@ -29,16 +29,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, cold_caches, cpu_seconds, gpt_ce, gpt_problem, per_name, problem
+from common import (
+    RESULTS,
+    cold_caches,
+    cpu_seconds,
+    gpt_ce,
+    gpt_problem,
+    per_name,
+    problem,
+    run_json,
+)
 
 VARIANTS = ("grad", "adam", "step", "step-dict", "step-p1")
 
@@ -119,12 +125,8 @@ def main() -> None:
             for variant in args.variants:
                 with tempfile.TemporaryDirectory() as cache:
                     one_thread = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-                    env = {**os.environ, **cold_caches(cache), **one_thread}
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--child", str(layers), variant, args.model],
-                        env=env, capture_output=True, text=True, check=True,
-                    )  # fmt: skip
-                    runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    argv = [__file__, "--child", str(layers), variant, args.model]
+                    runs[variant].append(run_json(argv, {**cold_caches(cache), **one_thread}))
         name = "MLP 256-512-512-512-10" if layers == 0 else f"{layers} x Linear(64, 64)"
         if args.model == "gpt":
             name = f"char_gpt.py's transformer, {layers} blocks, grouped per module"

@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from common import RESULTS, example, hf_model, interleaved, mlp, write_json
+from common import RESULTS, example, hf_model, interleaved, mlp, run_json, write_json
 from torch import nn
 
 import funcgrad as fg
@@ -225,11 +223,7 @@ def peak_mb(name: str, variant: str, steps: int) -> tuple[float, float]:
     one variant above where it was after one step, and the process's peak then, in a
     fresh process (MiB): Linux's VmHWM, reset (``/proc/self/clear_refs``) after the
     first step. (``ru_maxrss`` would not do: a child starts with its parent's mark.)"""
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", name, variant, str(steps)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    growth, peak = json.loads(out.stdout.strip().splitlines()[-1])
+    growth, peak = run_json([__file__, "--child", name, variant, str(steps)])
     return float(growth), float(peak)
 
 

@@ -24,34 +24,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import RESULTS, cold_caches, example, interleaved, per_name
+from common import (
+    RESULTS,
+    cold_caches,
+    deep,
+    deep_batch,
+    example,
+    interleaved,
+    per_name,
+    run_json,
+)
 from torch import nn
 
 import funcgrad as fg
 import funcgrad.step._step as fg_internal_step
 
 DEVICE = torch.device("cpu")
-
-
-def model(layers: int, width: int) -> nn.Module:
-    torch.manual_seed(0)
-    blocks = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]
-    return nn.Sequential(*blocks).to(DEVICE)
-
-
-def batch(width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
-    return x.to(DEVICE), y.to(DEVICE)
 
 
 def sync() -> None:
@@ -75,8 +69,8 @@ def fg_step(m: nn.Module, compile: bool | str):
 
 
 def eager(layers: int, width: int) -> dict[str, float]:
-    x, y = batch(width)
-    m_hook = model(layers, width)
+    x, y = deep_batch(width, DEVICE)
+    m_hook = deep(layers, width, DEVICE)
     example("hook_answer").attach_hook_answer(m_hook, (nn.Linear,))
     opt = torch.optim.Adam(m_hook.parameters())
 
@@ -85,7 +79,7 @@ def eager(layers: int, width: int) -> dict[str, float]:
         ((m_hook(x) - y) ** 2).mean().backward()
         opt.step()
 
-    step, params, state = fg_step(model(layers, width), compile=False)
+    step, params, state = fg_step(deep(layers, width, DEVICE), compile=False)
     t = time.perf_counter()
     step(params, state, x, y)
     sync()
@@ -99,7 +93,7 @@ def eager(layers: int, width: int) -> dict[str, float]:
         )
     )
     try:
-        func_step, func_params, func_state = fg_step(model(layers, width), compile=False)
+        func_step, func_params, func_state = fg_step(deep(layers, width, DEVICE), compile=False)
     finally:
         fg_internal_step.autograd_gradients = autograd_path
     func_step(func_params, func_state, x, y)  # as many steps as `step` has taken
@@ -127,8 +121,8 @@ def eager(layers: int, width: int) -> dict[str, float]:
 
 def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
     """In a fresh process with empty caches: the first call, then the median step."""
-    x, y = batch(width)
-    m = model(layers, width)
+    x, y = deep_batch(width, DEVICE)
+    m = deep(layers, width, DEVICE)
     if which == "grad":
         f = torch.compile(torch.func.grad_and_value(loss_of(m)), fullgraph=True)
         params = per_name(m)
@@ -153,11 +147,8 @@ def compile_child(layers: int, width: int, which: str) -> dict[str, float]:
 
 def run_child(layers: int, width: int, which: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, **cold_caches(cache)}
-        cmd = [sys.executable, __file__, "--child", str(layers), str(width), which]
-        cmd += ["--device", str(DEVICE)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        argv = [__file__, "--child", str(layers), str(width), which, "--device", str(DEVICE)]
+        return run_json(argv, cold_caches(cache))
 
 
 def main() -> None:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -77,6 +76,7 @@ from common import (
     mlp,
     per_name,
     problem,
+    run_json,
     write_json,
 )
 from torch import nn
@@ -384,11 +384,7 @@ def cold_first_calls(modes: tuple[str, ...]) -> dict[str, float]:
 
 
 def run_child(*args: str, env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, check=True,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json([__file__, *args], env)
 
 
 # --- --part layout-eager / layout-compiled / layout-update / processes ----------------

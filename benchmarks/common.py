@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -192,7 +193,7 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def run_json(argv: list[str], env: dict[str, str] | None = None) -> dict:
+def run_json(argv: list[str], env: dict[str, str] | None = None) -> Any:
     """Run ``python *argv`` in a fresh process; its last line of output, as JSON."""
     out = subprocess.run(
         [sys.executable, *argv], capture_output=True, text=True,
