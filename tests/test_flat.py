@@ -412,6 +412,59 @@ def test_capped_buffers_equal_the_per_tensor_layout(compile, monkeypatch) -> Non
         assert torch.equal(t.detach(), pa[k])
 
 
+def test_large_cpu_tensors_are_buffers_of_their_own(monkeypatch) -> None:
+    """On the CPU a tensor of at least ``CPU_ALONE_BYTES`` is a buffer of its own (its
+    gradient is never copied into a flat one); the smaller tensors around it, its own
+    module's included, go on filling the open buffer."""
+    import funcgrad.core._layout as layout_mod
+    from funcgrad.core._flat import Layout
+
+    monkeypatch.setattr(layout_mod, "CPU_ALONE_BYTES", 36 * 8)  # a 6x6 float64 matrix
+    pa = fg.params(stack(2))
+    assert pa.layout.members == (
+        ("0.weight", "0.bias", "2.bias", "4.bias", "6.weight", "6.bias"),
+        ("2.weight",),
+        ("4.weight",),
+    )
+    monkeypatch.setattr(layout_mod, "CPU_BUCKET_BYTES", 10 * 8)  # and the cap still holds
+    named = {"a.w": torch.zeros(8, dtype=torch.float64), "b.w": torch.zeros(40, dtype=torch.float64),
+             "b.b": torch.zeros(2, dtype=torch.float64), "c.w": torch.zeros(3, dtype=torch.float64)}  # fmt: skip
+    assert Layout.for_tensors(named).members == (("a.w", "b.b"), ("b.w",), ("c.w",))
+    meta = {f"{i}.w": torch.zeros(100, device="meta") for i in range(4)}
+    assert len(Layout.for_tensors(meta).sizes) == 1  # not the CPU: one buffer
+    monkeypatch.undo()  # the real threshold: 1 MiB
+    real = {"a.w": torch.empty(512, 512), "a.b": torch.empty(512), "b.w": torch.empty(511, 512)}
+    assert Layout.for_tensors(real).members == (("a.w",), ("a.b", "b.w"))
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}, True])
+def test_groups_split_by_large_tensors_equal_the_per_tensor_layout(compile, monkeypatch) -> None:
+    """Modules whose weight is a buffer of its own and whose bias shares one with
+    other modules: each such group is ruled whole (its statistics over both), the
+    same training as per tensor, with an all-zero layer on every other step; compiled,
+    the split groups read the backward's per-name gradients."""
+    import funcgrad.core._layout as layout_mod
+
+    monkeypatch.setattr(layout_mod, "CPU_ALONE_BYTES", 36 * 8)
+    torch._dynamo.reset()
+    a, b = stack(4), stack(4)
+    pa = fg.params(a)
+    assert len(pa.layout.sizes) == 5  # one shared buffer, four 6x6 weights alone
+    seen = PARTS_SEEN
+    seen.clear()
+    monkeypatch.setattr(Flat, "_parts_in", _parts_spy)
+    pa, sa = train(a, pa, seed_tx(a, amsgrad=True), compile=compile)
+    pb, sb = train(b, per_tensor(b), seed_tx(b, amsgrad=True), compile=compile)
+    if compile:
+        assert {("2.weight",), ("2.bias",), ("8.weight",)} <= set(seen)
+    rtol = 1e-12 if compile is not True else 1e-5
+    assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[2], sb.inner_states[2], rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[0], sb.inner_states[0], rtol=rtol, atol=1e-12)
+    for k, t in a.named_parameters():
+        assert torch.equal(t.detach(), pa[k])
+
+
 def test_low_precision_flat_equals_per_tensor() -> None:
     for dtype in (torch.bfloat16, torch.float16):
         a, b = mlp(dtype), mlp(dtype)

@@ -27,6 +27,18 @@ most 16 MiB are reused from the heap; a tensor larger than that is its own buffe
 its gradient is never copied. CUDA's caching allocator reuses memory: one buffer per
 (device, dtype) there."""
 
+CPU_ALONE_BYTES = 2**20
+"""On the CPU a tensor of at least this many bytes is a buffer of its own.
+
+Under inductor on the CPU a ``cat`` is always a buffer written whole, so a compiled
+step reads a packed gradient (or a rule's output packed for the update) from a copy:
+two more passes over those bytes, where per tensor the rule fuses into the update's
+loop. For small tensors that is cheap next to what the flat layout saves (fewer
+kernels, shorter compiles, one op per buffer eagerly); for large ones it is not: a
+compiled update-heavy step with four 4 MiB matrices to a buffer took 1.9-2.3x the
+per-tensor one (``benchmarks/bench_step.py --part layout-update --quick``). A tensor
+alone in its buffer is never copied (docs/flat-layout.md)."""
+
 
 def _unit_key(item: tuple[str, Tensor]) -> tuple[Any, ...]:
     """Names with one key in a row are one module's own parameters of one kind."""
@@ -103,14 +115,20 @@ class Layout:
             j = i + 1  # items[i:j]: one module's own parameters of this kind, in a row
             while j < len(items) and _unit_key(items[j]) == _unit_key(items[i]):
                 j += 1
-            cap = CPU_BUCKET_BYTES if t.device.type == "cpu" else None
+            cpu = t.device.type == "cpu"
+            cap = CPU_BUCKET_BYTES if cpu else None
             size = t.element_size()
-            unit = sum(u.numel() for _, u in items[i:j]) * size
-            parts = [items[i:j]] if cap is None or unit <= cap else [[x] for x in items[i:j]]
+            unit = items[i:j]
+            big = cpu and any(u.numel() * size >= CPU_ALONE_BYTES for _, u in unit)
+            nbytes = sum(u.numel() for _, u in unit) * size
+            parts = [unit] if cap is None or (nbytes <= cap and not big) else [[x] for x in unit]
             for part in parts:
                 nbytes = sum(u.numel() for _, u in part) * size
                 b = kinds.get(kind)
-                if b is None or (cap is not None and fill[b] > 0 and fill[b] + nbytes > cap):
+                if cpu and nbytes >= CPU_ALONE_BYTES:  # its own buffer; the open one stays open
+                    b = len(fill)
+                    fill.append(0)
+                elif b is None or (cap is not None and fill[b] > 0 and fill[b] + nbytes > cap):
                     b = kinds[kind] = len(fill)
                     fill.append(0)
                 for _, u in part:
@@ -164,4 +182,4 @@ class Layout:
         return (Layout.of, (self.names, self.entries))
 
 
-__all__ = ["CPU_BUCKET_BYTES", "Layout"]
+__all__ = ["CPU_ALONE_BYTES", "CPU_BUCKET_BYTES", "Layout"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -67,11 +68,13 @@ def per_group(
         groups.check_against(grads, "fg.per_group.update")
         ranks = _rb.shards()
 
-        segments = _segments(grads, groups) if _rb.reads_input_only(rule) else None
-        if segments is not None:
+        found = _segments(grads, groups) if _rb.reads_input_only(rule) else None
+        if found is not None:
             # Flat gradients: funcgrad's rules are elementwise but for statistics over
-            # the whole group, so each group is one segment of a buffer.
-            return _on_segments(grads, segments, rule), state  # type: ignore[arg-type,return-value]
+            # the whole group, so each group is one segment of a buffer (or, split
+            # across buffers, its per-name tensors).
+            segments, split = found
+            return _on_segments(grads, segments, rule, split), state  # type: ignore[arg-type,return-value]
 
         def apply_all() -> Params:
             out = dict(grads)
@@ -111,19 +114,29 @@ def per_group(
     return with_facts(tx, eager=eager)
 
 
-def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, int, int]] | None:
-    """Each group's ``(buffer, start, stop)`` in flat gradients, in layout order; None
-    unless ``grads`` is a :class:`funcgrad.Flat` whose groups are disjoint gap-free
-    runs, outside ``fg.sharded`` (whose statistics combine per name)."""
+def _segments(
+    grads: Mapping[str, Tensor], groups: Groups
+) -> tuple[list[tuple[int, int, int]], list[tuple[str, ...]]] | None:
+    """Each group's ``(buffer, start, stop)`` in flat gradients, in layout order, and
+    the groups that are no such segment (split across buffers: a module whose large
+    tensor has a buffer of its own, ``CPU_ALONE_BYTES``); None unless ``grads`` is a
+    :class:`funcgrad.Flat` whose groups are disjoint, outside ``fg.sharded`` (whose
+    statistics combine per name)."""
     if not isinstance(grads, Flat) or _rb.shards() is not None:
         return None
     layout = grads.layout
     first: dict[str, tuple[int, int, int]] = {}
+    split: list[tuple[str, ...]] = []
+    seen: set[str] = set()
     for names in groups.values():
+        if seen.intersection(names):
+            return None  # overlapping groups
+        seen.update(names)
         seg = layout.segment(names)
         if seg is None:
-            return None
-        first[names[0]] = seg
+            split.append(tuple(names))
+        else:
+            first[names[0]] = seg
     # In layout order (each buffer's segments by increasing offset), with no sort:
     # traced, the offsets may be symbolic ints, which dynamo cannot sort.
     segs = [first[n] for n in layout.names if n in first]
@@ -132,13 +145,17 @@ def _segments(grads: Mapping[str, Tensor], groups: Groups) -> list[tuple[int, in
         if start < stops.get(b, 0):
             return None  # overlapping groups
         stops[b] = stop
-    return segs
+    return segs, split
 
 
 def _on_segments(
-    grads: Flat, segments: list[tuple[int, int, int]], rule: Callable[..., Mapping[str, Tensor]]
+    grads: Flat,
+    segments: list[tuple[int, int, int]],
+    rule: Callable[..., Mapping[str, Tensor]],
+    split: Sequence[tuple[str, ...]] = (),
 ) -> Flat:
-    """``rule`` on every group as one segment of its buffer; the rest passes through.
+    """``rule`` on every group as one segment of its buffer, and on each ``split``
+    group as its per-name tensors; the rest passes through.
 
     Groups that repeat with a period (the blocks of a deep stack of equal layers, or
     of a transformer grouped per module: every block's ``qkv`` one size, one period
@@ -146,22 +163,35 @@ def _on_segments(
     block's groups a column of it ruled once as ``k`` rows, every statistic taken per
     row (:func:`funcgrad.rules._rule_base.rows`). The same values, and one reduction and one
     elementwise op per column instead of one per group, which is what a compiled
-    step's code (and its compile time) otherwise grows by per layer.
+    step's code (and its compile time) otherwise grows by per layer. A buffer that
+    holds a part of a split group is ruled group by group.
     """
+    layout = grads.layout
+    ruled_split: dict[str, Tensor] = {}
+    for names in split:
+        ruled_split.update(apply_rule(rule, {n: _entry(grads, n) for n in names}))
+    split_in = {layout.entries[layout.index[n]][0] for n in ruled_split}
+
+    def passed(b: int, start: int, stop: int) -> list[Tensor]:
+        names = layout.run(b, start, stop) if b in split_in else None
+        if names is None:  # no split group's entry here (groups end where entries do)
+            return [t.reshape(-1) for t in grads._entries(b, start, stop).values()]
+        return [ruled_split.get(n, _entry(grads, n)).reshape(-1) for n in names]
+
     out = []
     for b, buf in enumerate(grads.buffers):
         pieces: list[Tensor] = []
         at = 0
         spans = [(s, e) for i, s, e in segments if i == b]
-        if grads._has_parts() and len(spans) <= FEW_GROUPS:
-            # Each group ruled on its own, from the per-name gradients: nothing reads
-            # the flat gradient, which a compiled step then never writes.
+        if b in split_in or (grads._has_parts() and len(spans) <= FEW_GROUPS):
+            # Each group ruled on its own, from the per-name gradients (a compiled
+            # step's: nothing reads the flat gradient, which is then never written).
             blocks: list[Block] = [(s, e - s, 1, ((0, e - s, True),)) for s, e in spans]
         else:
             blocks = _blocks(spans, buf.shape[-1])
         for start, period, k, cols in blocks:
             if start > at:
-                pieces.extend(t.reshape(-1) for t in grads._entries(b, at, start).values())
+                pieces.extend(passed(b, at, start))
             if k == 1:
                 group = grads._entries(b, start, start + period)
                 ruled = apply_rule(rule, group)
@@ -179,9 +209,17 @@ def _on_segments(
                 pieces.append(block.reshape(-1))
             at = start + k * period
         if at < buf.numel():
-            pieces.extend(t.reshape(-1) for t in grads._entries(b, at, buf.numel()).values())
+            pieces.extend(passed(b, at, buf.numel()))
         out.append(cat(pieces))
-    return Flat(out, grads.layout)
+    return Flat(out, layout)
+
+
+def _entry(grads: Flat, name: str) -> Tensor:
+    """One name's gradient: the kept per-name part (:meth:`funcgrad.Flat._parts_in`),
+    else the view of its buffer."""
+    b, o, shape = grads.layout.entries[grads.layout.index[name]]
+    part = grads._parts_in(b, o, o + math.prod(shape))
+    return part[name] if part is not None else grads[name]
 
 
 FEW_GROUPS = 8
