@@ -437,7 +437,7 @@ def test_large_cpu_tensors_are_buffers_of_their_own(monkeypatch) -> None:
     assert Layout.for_tensors(real).members == (("a.w",), ("a.b", "b.w"))
 
 
-@pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}, True])
+@pytest.mark.parametrize("compile", [False, True])
 def test_groups_split_by_large_tensors_equal_the_per_tensor_layout(compile, monkeypatch) -> None:
     """Modules whose weight is a buffer of its own and whose bias shares one with
     other modules: each such group is ruled whole (its statistics over both), the
