@@ -35,9 +35,9 @@ step reads a packed gradient (or a rule's output packed for the update) from a c
 two more passes over those bytes, where per tensor the rule fuses into the update's
 loop. For small tensors that is cheap next to what the flat layout saves (fewer
 kernels, shorter compiles, one op per buffer eagerly); for large ones it is not: a
-compiled update-heavy step with four 4 MiB matrices to a buffer took 1.9-2.3x the
-per-tensor one (``benchmarks/bench_step.py --part layout-update --quick``). A tensor
-alone in its buffer is never copied (docs/flat-layout.md)."""
+compiled update-heavy step with four 4 MiB matrices to a buffer took 1.9-3.4x the
+per-tensor one, 1.01x with each alone (docs/flat-layout.md, docs/compile-notes.md). A
+tensor alone in its buffer is never copied."""
 
 
 def _unit_key(item: tuple[str, Tensor]) -> tuple[Any, ...]:
