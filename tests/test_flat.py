@@ -385,6 +385,18 @@ def test_cpu_buffers_are_capped_at_module_boundaries(monkeypatch) -> None:
     assert len(Layout.for_tensors(big).sizes) == 3
 
 
+def assert_same_training(model: nn.Module, flat, per, compile) -> None:
+    """``train``'s results on the flat layout (``model``'s) equal the per-tensor ones
+    (params, Adam's and monitor's state), and the module holds the flat params."""
+    (pa, sa), (pb, sb) = flat, per
+    rtol = 1e-12 if compile is not True else 1e-5
+    assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[2], sb.inner_states[2], rtol=rtol, atol=1e-12)
+    assert_trees_close(sa.inner_states[0], sb.inner_states[0], rtol=rtol, atol=1e-12)
+    for k, t in model.named_parameters():
+        assert torch.equal(t.detach(), pa[k])
+
+
 @pytest.mark.parametrize("compile", [False, {"backend": "aot_eager"}, True])
 def test_capped_buffers_equal_the_per_tensor_layout(compile, monkeypatch) -> None:
     """Several buffers of one dtype, one module split across two (its group is ruled
@@ -404,12 +416,7 @@ def test_capped_buffers_equal_the_per_tensor_layout(compile, monkeypatch) -> Non
     )
     pa, sa = train(a, pa, seed_tx(a, amsgrad=True), compile=compile)
     pb, sb = train(b, per_tensor(b), seed_tx(b, amsgrad=True), compile=compile)
-    rtol = 1e-12 if compile is not True else 1e-5
-    assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
-    assert_trees_close(sa.inner_states[2], sb.inner_states[2], rtol=rtol, atol=1e-12)
-    assert_trees_close(sa.inner_states[0], sb.inner_states[0], rtol=rtol, atol=1e-12)
-    for k, t in a.named_parameters():
-        assert torch.equal(t.detach(), pa[k])
+    assert_same_training(a, (pa, sa), (pb, sb), compile)
 
 
 def test_large_cpu_tensors_are_buffers_of_their_own(monkeypatch) -> None:
@@ -457,12 +464,7 @@ def test_groups_split_by_large_tensors_equal_the_per_tensor_layout(compile, monk
     pb, sb = train(b, per_tensor(b), seed_tx(b, amsgrad=True), compile=compile)
     if compile:
         assert {("2.weight",), ("2.bias",), ("8.weight",)} <= set(seen)
-    rtol = 1e-12 if compile is not True else 1e-5
-    assert_trees_close(dict(pa), dict(pb), rtol=rtol, atol=1e-12)
-    assert_trees_close(sa.inner_states[2], sb.inner_states[2], rtol=rtol, atol=1e-12)
-    assert_trees_close(sa.inner_states[0], sb.inner_states[0], rtol=rtol, atol=1e-12)
-    for k, t in a.named_parameters():
-        assert torch.equal(t.detach(), pa[k])
+    assert_same_training(a, (pa, sa), (pb, sb), compile)
 
 
 def test_low_precision_flat_equals_per_tensor() -> None:

@@ -286,13 +286,16 @@ def _blocks(spans: list[tuple[int, int]], end: int) -> list[Block]:
 def _group_views(grads: Mapping[str, Tensor], groups: Groups) -> dict[str, dict[str, Tensor]]:
     """Each group as a dict; a group that is one segment of flat gradients is that
     segment alone (its statistics are the group's), outside ``fg.sharded``, or the
-    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat._entries`)."""
+    per-name gradients a compiled step keeps (:meth:`funcgrad.Flat._entries`); a group
+    split across buffers, its per-name gradients (kept ones where there are)."""
     segs = isinstance(grads, Flat) and _rb.shards() is None
     out = {}
     for g, names in groups.items():
         seg = grads.layout.segment(names) if segs else None  # type: ignore[attr-defined]
         if seg is not None:
             out[g] = grads._entries(*seg)  # type: ignore[attr-defined]
+        elif segs:
+            out[g] = {n: _entry(grads, n) for n in names}  # type: ignore[arg-type]
         else:
             out[g] = {n: grads[n] for n in names}
     return out
