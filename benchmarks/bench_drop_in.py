@@ -46,14 +46,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, RULE, eager_rule_on_grads, interleaved, mlp
+from common import RESULTS, RULE, eager_rule_on_grads, interleaved, mlp, write_json
 from torch import nn
 
 import funcgrad as fg
@@ -290,22 +288,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
     if args.rule_floor:
-        print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
         floor = rule_floor(not args.no_compile, device, sync)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_drop_in_rule_floor.json").write_text(json.dumps(floor, indent=1))
+        write_json(args.out, "bench_drop_in_rule_floor", floor)
         return
     if args.optimizers:
-        print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
-        table = optimizer_table(args.quick, sync)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_drop_in_optimizers.json").write_text(json.dumps(table, indent=1))
+        write_json(args.out, "bench_drop_in_optimizers", optimizer_table(args.quick, sync))
         return
     results: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} thread(s)")
     for name, (make, width, out_width, batch) in workloads(args.quick).items():
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(batch, width, generator=gen).to(device)
@@ -328,14 +319,9 @@ def main() -> None:
             ref = "torch-fused+rule" if arm.endswith("rule") else "torch-fused"
             print(f"  {arm} / {ref}: step {whole[arm] / whole[ref]:.2f}, "
                   f"update {alone[arm] / alone[ref]:.2f}")  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
-    (out / f"bench_drop_in{suffix}.json").write_text(
-        json.dumps(
-            {"torch": torch.__version__, "device": str(device), "results": results}, indent=1
-        )
-    )
+    info = {"torch": torch.__version__, "device": str(device), "results": results}
+    write_json(args.out, f"bench_drop_in{suffix}", info)
 
 
 if __name__ == "__main__":
