@@ -2,8 +2,9 @@
 
 :class:`Flat` is a read-only ``Mapping[str, Tensor]`` whose entries are views into
 one contiguous 1-D buffer per (device, dtype) (on the CPU, buffers of at most
-:data:`CPU_BUCKET_BYTES`), in ``named_parameters()`` order, so each module's own
-parameters (a group of ``fg.group_by_module``) are one segment.
+:data:`CPU_BUCKET_BYTES`, and a tensor of :data:`CPU_ALONE_BYTES` or more alone), in
+``named_parameters()`` order, so each module's own parameters (a group of
+``fg.group_by_module``) are one segment where they share a buffer.
 A user reads it as a dict (``params["fc1.weight"]``, ``state.mu["fc1.weight"]``,
 checkpoints keyed by name, as before); the code that runs every step sees a few
 buffers instead of one tensor per parameter:
@@ -48,7 +49,7 @@ from ._tree import BUFFERS, NAMESPACE
 
 class Flat(Mapping[str, Tensor]):
     """A read-only mapping ``name -> view`` over flat buffers (one per (device, dtype);
-    on the CPU, at most :data:`CPU_BUCKET_BYTES` each).
+    on the CPU, at most :data:`CPU_BUCKET_BYTES` each, a large tensor alone).
 
     Examples:
         >>> import torch, funcgrad as fg

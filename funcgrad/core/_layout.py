@@ -1,6 +1,7 @@
 """Where each tensor of a :class:`funcgrad.Flat` lies: :class:`Layout` (names, buffer,
 offset and shape of each entry, interned so that equal layouts are one object) and the
-policy that cuts a module's parameters into buffers (:data:`CPU_BUCKET_BYTES`).
+policy that cuts a module's parameters into buffers (:data:`CPU_BUCKET_BYTES`,
+:data:`CPU_ALONE_BYTES`).
 funcgrad/core/_flat.py holds the mapping itself.
 """
 
@@ -100,10 +101,11 @@ class Layout:
         buffer's entries in the mapping's order, packed without gaps.
 
         On a CUDA device (or any but the CPU) one buffer per (device, dtype). On the
-        CPU a buffer holds at most :data:`CPU_BUCKET_BYTES` (a tensor larger than
-        that alone), and a module's own parameters (names sharing the prefix before
-        the last dot) stay in one buffer where they fit: see :data:`CPU_BUCKET_BYTES`
-        for why."""
+        CPU a tensor of :data:`CPU_ALONE_BYTES` or more is a buffer of its own (the
+        open buffer stays open for the tensors after it); the others share buffers
+        of at most :data:`CPU_BUCKET_BYTES`, a module's own parameters (names
+        sharing the prefix before the last dot) in one buffer where they fit: see
+        those two constants for why."""
         kinds: dict[tuple[torch.device, torch.dtype], int] = {}  # kind -> open buffer
         fill: list[int] = []  # bytes per buffer
         entries: list[tuple[int, int, tuple[int, ...]]] = []
