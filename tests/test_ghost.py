@@ -93,6 +93,49 @@ class Tied(nn.Module):
         return self.head(self.norm(h)).mean(1)
 
 
+class RelativeAttention(nn.Module):
+    """T5Attention's form: the first layer's relative position bias is an embedding on a
+    ``(T, T)`` grid, the same for every sample, permuted to ``(1, H, T, T)`` (with the
+    batch in front the permute fails) and returned beside the layer's output for the
+    next layer to add to its scores."""
+
+    def __init__(self, d: int, heads: int = 2, bias: bool = False) -> None:
+        super().__init__()
+        self.q, self.v = nn.Linear(d, d), nn.Linear(d, d)
+        self.heads = heads
+        self.rel = nn.Embedding(5, heads) if bias else None
+
+    def forward(self, x, position_bias=None):
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)
+        v = self.v(x).view(b, t, self.heads, -1).transpose(1, 2)
+        if position_bias is None:
+            r = torch.arange(t)
+            grid = (r[None, :] - r[:, None]).clamp(-2, 2) + 2
+            position_bias = self.rel(grid).permute(2, 0, 1).unsqueeze(0)
+        scores = q @ q.transpose(-1, -2) + position_bias
+        h = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        return x + h, position_bias
+
+
+class RelativeBias(nn.Module):
+    """Two T5-form layers sharing the first one's position bias; ``twice``: the second
+    layer calls the first one's bias module too."""
+
+    def __init__(self, d: int = 4, twice: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(9, d)
+        self.first, self.second = RelativeAttention(d, bias=True), RelativeAttention(d)
+        if twice:
+            self.second.rel = self.first.rel
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, idx):
+        h, bias = self.first(self.tok(idx))
+        h, _ = self.second(h, position_bias=None if self.second.rel is not None else bias)
+        return self.head(h).mean(1)
+
+
 def _eval_bn(model: nn.Module) -> nn.Module:
     """Eval mode, with running statistics and affine parameters that are not 0 and 1."""
     for m in model.modules():
@@ -230,6 +273,14 @@ def _models():
         "multihead-attention-weights": (
             Attention(weights=True),
             lambda g: (torch.randn(6, 5, 8, generator=g), torch.randint(0, 3, (6,), generator=g)),
+        ),
+        # the bias module is adopted by the layer that calls it (its vmap fallback)
+        "relative-bias-t5-form": (
+            RelativeBias(),
+            lambda g: (
+                torch.randint(0, 9, (6, 5), generator=g),
+                torch.randint(0, 3, (6,), generator=g),
+            ),
         ),
         "tied-twice-padding": (
             Tied(),
@@ -611,32 +662,83 @@ def test_a_module_that_does_not_keep_the_batch_first_is_a_clear_error():
         )  # fmt: skip
 
 
-def test_a_shared_grid_the_model_permutes_is_refused_naming_the_module():
-    """T5's form: a relative position bias, an embedding on a (T, T) grid (the same for
-    every sample, no leading 1), then permuted: with the batch in front the permute
-    fails inside the model; the error is funcgrad's, naming the module."""
+class GridBias(nn.Module):
+    """The grid embedding called by the root itself, which then reruns whole."""
 
-    class GridBias(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok = nn.Embedding(9, 4)
-            self.bias = nn.Embedding(5, 2)
-            self.head = nn.Linear(8, 3)
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(9, 4)
+        self.bias = nn.Embedding(5, 2)
+        self.head = nn.Linear(8, 3)
 
-        def forward(self, idx):
-            t = torch.arange(idx.shape[1])
-            grid = (t[:, None] - t[None, :]).clamp(0, 4)
-            weights = self.bias(grid).permute(2, 0, 1).softmax(-1)  # (heads, T, T)
-            h = torch.einsum("hts,bsd->bthd", weights, self.tok(idx)).flatten(2)
-            return self.head(h).mean(1)
+    def grid(self, t: int) -> torch.Tensor:
+        r = torch.arange(t)
+        return (r[:, None] - r[None, :]).clamp(0, 4)
+
+    def forward(self, idx):
+        weights = self.bias(self.grid(idx.shape[1])).permute(2, 0, 1).softmax(-1)
+        h = torch.einsum("hts,bsd->bthd", weights, self.tok(idx)).flatten(2)
+        return self.head(h).mean(1)
+
+
+def test_a_shared_grid_the_model_permutes_goes_to_the_module_that_calls_it(monkeypatch):
+    """T5's form: with the batch in front, the grid embedding's output breaks the
+    permute; the module that calls it adopts it (a vmap fallback over that module,
+    whose output keeps the batch first, or leads with the 1 the batch takes: the
+    position bias the next layer adds). Equal to a loop over samples (above, in
+    MODELS); here which module takes it, and the root adopting it reruns the whole
+    model and says so."""
+    from funcgrad.step import _ghost, _ghost_layers
+
+    taken = []
+    real = _ghost.layer_of
+    monkeypatch.setattr(_ghost, "layer_of", lambda c, n: taken.append(real(c, n)) or taken[-1])
+    model, make = MODELS["relative-bias-t5-form"]
+    x, y = make(torch.Generator().manual_seed(1))
+    ghost_gradients(_loss(model), False, C, "mean")(fg.params(model).views(), x, y)
+    adopters = [lay for lay in taken if "rel.weight" in lay.call.names]
+    assert len(adopters) == 1 and adopters[0].call.module is model.first
+    assert isinstance(adopters[0], _ghost_layers.Vmapped)
+    assert adopters[0].call.lead == (False, True)  # the bias: (1, H, T, T) took the batch
 
     model = GridBias().double()
+    x, y = torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,))
+    params = fg.params(model).views()
+    with pytest.warns(UserWarning, match=re.escape("vmap fallback for the root module")):
+        got, _, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params, x, y)
+    want, _ = _loop_reference(model, params, x, y, C)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_a_shared_grid_the_loss_permutes_itself_is_refused_naming_the_module():
+    """Called by the loss itself, no module can adopt it: funcgrad's error, naming it."""
+    model = GridBias().double()
+
+    def loss(p, idx, y):
+        table = {"weight": p["bias.weight"]}
+        weights = fg.call(model.bias, table, model.grid(idx.shape[1])).permute(2, 0, 1)
+        h = torch.einsum("hts,bsd->bthd", weights.softmax(-1), fg.call(model.tok, {
+            "weight": p["tok.weight"]}, idx)).flatten(2)  # fmt: skip
+        return nn.functional.cross_entropy(fg.call(model.head, {
+            "weight": p["head.weight"], "bias": p["head.bias"]}, h).mean(1), y)  # fmt: skip
+
     with pytest.raises(
         ValueError, match=re.escape("fg.ghost_clip: the module 'bias' runs without the batch")
     ):
-        ghost_gradients(_loss(model), False, 1.0, "mean")(
+        ghost_gradients(loss, False, 1.0, "mean")(
             fg.params(model).views(), torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,))
         )
+
+
+def test_an_adopted_module_called_by_another_module_too_is_refused():
+    """Its per-sample gradients come from its adopter's rerun, which would miss the
+    other module's use."""
+    _refused(
+        RelativeBias(twice=True).double(), ValueError,
+        "fg.ghost_clip: the module Embedding runs without the batch and its output cannot "
+        "take it", torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,)),
+    )  # fmt: skip
 
 
 class Block(nn.Module):

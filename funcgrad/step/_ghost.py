@@ -36,7 +36,7 @@ eager probe also watches every use of every trained parameter (``DirectReads``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from ._ghost_tap import (
     IN,
     IN_FIXED,
     OUT,
+    Adoption,
     Call,
     Passing,
     Shapes,
@@ -71,10 +72,15 @@ def _signature(params: Params, batch: tuple[Any, ...]) -> Any:
     return (tuple((k, sig(v)) for k, v in params.items()), tuple(sig(b) for b in batch))
 
 
-Plan = list[tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, str]]
+Plan = list[tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, str, tuple[bool, ...]]]
 """Per tapped entry: its floating tensors' shapes and dtypes in the step's batch,
 whether the call is shared by the samples (no batch dimension: its ``z``'s get one),
-and its kind (``OUT``: a module's outputs, ``IN``/``IN_FIXED``: a call's inputs)."""
+its kind (``OUT``: a module's outputs, ``IN``/``IN_FIXED``: a call's inputs), and per
+tensor whether it is the same for every sample and led by a 1 where the batch goes
+(``broadcast_lead``; in a batched call's output: T5's position bias, ``(1, H, T, T)``)."""
+
+Settled = list[tuple[bool, tuple[bool, ...]]]
+"""The probe's entries that get the batch as the tap pass will give it: shared, lead."""
 
 
 def _pass_shapes(
@@ -84,12 +90,14 @@ def _pass_shapes(
     n: int,
     rows: int,
     meta: bool,
-    shared: Sequence[bool],
+    settled: Settled,
+    adoption: Adoption,
     watch: Any = None,
-) -> tuple[Shapes, list[str], list[str], set[str]]:
+) -> tuple[Shapes, list[str], list[str], set[str], list[Any]]:
     """One probe pass with the batch tensors at ``rows`` rows: the tapped entries' shapes,
-    kinds and modules, and the parameters their modules' calls reached. ``watch``: a
-    :class:`DirectReads` mode to run the pass under (eagerly)."""
+    kinds and modules, the parameters their modules' calls reached, and the OUT
+    entries' (module, caller). ``watch``: a :class:`DirectReads` mode to run the pass
+    under (eagerly)."""
 
     def resized(t: Any) -> Any:
         if not isinstance(t, Tensor):
@@ -103,14 +111,14 @@ def _pass_shapes(
 
     p = {k: torch.empty_like(v, device="meta") for k, v in params.items()} if meta else params
     named = list(p.items())
-    with Passing("probe", named, rows) as tap, torch.no_grad():
+    with Passing("probe", named, rows, adoption) as tap, torch.no_grad():
         tap.shapes, tap.owners = [], []
-        tap.plan = [(sh, False, OUT) for sh in shared]
+        tap.plan = [(sh, le, OUT) for sh, le in settled]
         if watch is not None:
             watch.ids = {id(t): name for name, t in named}
         with contextlib.nullcontext() if watch is None else watch:
             loss_fn(p, *(resized(b) for b in batch))
-        return tap.shapes, tap.kinds, tap.owners, tap.reached
+        return tap.shapes, tap.kinds, tap.owners, tap.reached, tap.callers
 
 
 def _plan(at_n: Shapes, at_more: Shapes, n: int, kinds: list[str]) -> Plan:
@@ -131,10 +139,15 @@ def _plan(at_n: Shapes, at_more: Shapes, n: int, kinds: list[str]) -> Plan:
             for (a, _), (b, _) in zip(one, more, strict=True)
         ]
         if kind != OUT:
-            plan.append((one, False, IN if all(batched) else IN_FIXED))
+            plan.append((one, False, IN if all(batched) else IN_FIXED, (False,) * len(one)))
             continue
-        if not (all(shared) or all(batched)):
-            bad = [a for (a, _), ok in zip(one, batched, strict=True) if not ok]
+        sizes = [a for a, _ in one]
+        if one and all(shared):
+            plan.append((one, True, OUT, (broadcast_lead(sizes),) * len(one)))
+            continue
+        lead = tuple(sh and len(a) > 0 and a[0] == 1 for sh, a in zip(shared, sizes, strict=True))
+        bad = [a for a, ok, le in zip(sizes, batched, lead, strict=True) if not (ok or le)]
+        if bad:
             raise ValueError(
                 f"fg.ghost_clip: a module with trained parameters returned a tensor of "
                 f"shape {bad[0]} whose leading dimension is not the batch ({n}). Ghost "
@@ -143,7 +156,7 @@ def _plan(at_n: Shapes, at_more: Shapes, n: int, kinds: list[str]) -> Plan:
                 "(a positional embedding on arange); use "
                 "per_sample=fg.clip_by_global_norm(max_norm) otherwise."
             )
-        plan.append((one, all(shared) and bool(one), OUT))
+        plan.append((one, False, OUT, lead))
     return plan
 
 
@@ -154,6 +167,7 @@ def _probe(
     n: int,
     cache: dict[Any, Plan],
     wide: set[int],
+    adoption: Adoption,
 ) -> Plan:
     """What the tap pass will tap, in call order, found by two probe passes at ``n`` and
     ``n + 1`` rows: a dimension that follows the rows is the batch. Eagerly on meta
@@ -163,7 +177,11 @@ def _probe(
     Eagerly the first pass also watches the parameters' uses (:class:`DirectReads`): a
     parameter its module's calls reach and some other code reads too is refused (that
     share of its gradient would be missing), and a module whose parameters a call it
-    makes reads goes into ``wide`` (its fallback reruns its whole subtree)."""
+    makes reads goes into ``wide`` (its fallback reruns its whole subtree).
+
+    A shared call whose output the model refuses with the batch in front (T5's relative
+    position bias) goes to the module that made the call (``adoption``), and the probe
+    starts over."""
     key = None
     if not compiling():
         key = _signature(params, batch)
@@ -176,26 +194,41 @@ def _probe(
     # sees a batched input: a call's side depends on the calls before it. Probe again
     # with the shared calls found so far batched, each time settling the calls up to
     # the next shared one (once per shared call, plus one).
-    settled: list[bool] = []
+    settled: Settled = []
     owners: list[str] = []
+    callers: list[Any] = []
     watch = DirectReads() if key is not None else None
     reached: set[str] = set()
     for _ in range(1 + 4096):
         try:
-            (at_n, kinds, named, reached), (at_more, _, _, _) = (
-                _pass_shapes(loss_fn, params, batch, n, r, meta, settled, watch if r == n else None)
+            (at_n, kinds, named, reached, calls), (at_more, *_) = (
+                _pass_shapes(
+                    loss_fn,
+                    params,
+                    batch,
+                    n,
+                    r,
+                    meta,
+                    settled,
+                    adoption,
+                    watch if r == n else None,
+                )
                 for r in (n, n + 1)
             )
         except (NotImplementedError, RuntimeError) as err:  # an op without a meta kernel
             if meta:
                 meta = False
                 continue
+            if _adopt(plan, settled, callers, adoption):
+                settled, meta = [], not compiling()
+                cache.clear()
+                continue
             _refuse_prepended(err, plan, settled, owners)
             raise
-        owners = list(named)
+        owners, callers = list(named), list(calls)
         plan = _plan(at_n, at_more, n, kinds)
-        now = [sh for _, sh, _ in plan]
-        later = [i for i in range(len(settled), len(now)) if now[i]]
+        now = [(sh, le) for _, sh, _, le in plan]
+        later = [i for i in range(len(settled), len(now)) if now[i][0] or any(now[i][1])]
         if not later:
             break
         settled = now[: later[0] + 1]
@@ -209,14 +242,25 @@ def _probe(
     return plan
 
 
-def _refuse_prepended(
-    err: BaseException, plan: Plan, settled: list[bool], owners: list[str]
-) -> None:
+def _adopt(plan: Plan, settled: Settled, callers: list[Any], adoption: Adoption) -> bool:
+    """The forward failed once the last settled call, shared, got the batch in front:
+    give that module to the module that called it (:class:`Adoption`), if one did."""
+    if not settled or not settled[-1][0] or any(settled[-1][1]):
+        return False
+    i = len(settled) - 1
+    j = sum(e[2] == OUT for e in plan[:i])  # its place among the OUT entries (callers)
+    if i >= len(plan) or plan[i][2] != OUT or j >= len(callers) or callers[j][1] is None:
+        return False
+    adoption.adopt(*callers[j])
+    return True
+
+
+def _refuse_prepended(err: BaseException, plan: Plan, settled: Settled, owners: list[str]) -> None:
     """The forward failed once a shared call's output got the batch in front (a call
     without the batch whose output has no leading 1, such as T5's relative position
     bias on a ``(T, T)`` grid, then permuted): funcgrad's error, naming the module,
     not the model's own from deep inside it."""
-    for i, on in enumerate(settled):
+    for i, (on, _) in enumerate(settled):
         if on and i < len(plan) and i < len(owners):
             if not broadcast_lead([s for s, _ in plan[i][0]]):
                 raise ValueError(
@@ -252,6 +296,7 @@ def ghost_gradients(
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
     cache: dict[Any, Plan] = {}
     wide: set[int] = set()  # id(module): its fallback reruns its whole subtree (_probe)
+    adoption = Adoption()  # calls without the batch given to their callers (_probe)
     told: set[str] = set()  # the fallbacks already reported by this step
 
     def fn(params: Params, *batch: Any) -> Gradients:
@@ -265,11 +310,11 @@ def ghost_gradients(
         traced with these inputs' structure: the traced probe watches nothing."""
         with _INSTALLED:
             n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
-            _probe(loss_fn, params, batch, n, cache, wide)
+            _probe(loss_fn, params, batch, n, cache, wide, adoption)
 
     def ghostly(params: Params, *batch: Any) -> Gradients:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
-        shapes = _probe(loss_fn, params, batch, n, cache, wide)
+        shapes = _probe(loss_fn, params, batch, n, cache, wide, adoption)
         if not shapes:
             raise ValueError(
                 "fg.ghost_clip: no module with trained parameters ran in the loss: "
@@ -278,21 +323,20 @@ def ghost_gradients(
                 "per_sample=fg.clip_by_global_norm(max_norm) for this loss."
             )
         first = next(iter(params.values()))
-        lead = [sh and broadcast_lead([s for s, _ in leaves]) for leaves, sh, _ in shapes]
         zs = [
             torch.zeros(
-                (n, *s[1:]) if lead[c] else (n, *s) if shared else s, dtype=dt, device=first.device
+                (n, *s[1:]) if le else (n, *s) if shared else s, dtype=dt, device=first.device
             )
-            for c, (leaves, shared, _) in enumerate(shapes)
-            for s, dt in leaves
+            for leaves, shared, _, lead in shapes
+            for (s, dt), le in zip(leaves, lead, strict=True)
         ]
         calls: list[Call] = []
         entries: list[Any] = []  # the Calls and the Childs, in the order of their z's
 
         def tapped(zs: list[Tensor]) -> Any:
-            with Passing("tap", list(params.items()), n) as tap:
+            with Passing("tap", list(params.items()), n, adoption) as tap:
                 tap.zs, tap.calls = zs, calls
-                tap.plan = [(sh, le, kind) for (_, sh, kind), le in zip(shapes, lead, strict=True)]
+                tap.plan = [(sh, le, kind) for _, sh, kind, le in shapes]
                 out = loss_fn(params, *batch)
                 entries[:] = tap.entries
                 if tap.used != len(zs):
@@ -327,8 +371,9 @@ def ghost_gradients(
                 continue
             e.args, e.kwargs = tree_unflatten(leaves, e.spec)
             e.grads = [next(it) for _ in range(e.n_out)]
-            if e.lead:  # (B, T, d) -> (B, 1, T, d): each sample's gradient of (1, T, d)
-                e.grads = [g.unsqueeze(1) for g in e.grads]
+            # Led by a 1 that took the batch: (B, T, d) -> (B, 1, T, d), each sample's
+            # gradient of the (1, T, d) output.
+            e.grads = [g.unsqueeze(1) if le else g for g, le in zip(e.grads, e.lead, strict=True)]
         adopt_read_directly(calls, params)
         layers = [layer_of(c, n) for c in calls]
         for layer in layers:

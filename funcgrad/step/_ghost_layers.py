@@ -199,6 +199,7 @@ class Vmapped(Layer):
 
     def __init__(self, call: Call, n: int) -> None:
         super().__init__(call, n)
+        _refuse_cache(call)
         kids = call.children or []
         self.narrow = (
             call.children is not None
@@ -266,7 +267,8 @@ class Vmapped(Layer):
 
             back = vjp(f, mp)[1]
             up = [c.unsqueeze(0) for c in kin]
-            (g,) = back(up + [c if call.shared else c.unsqueeze(0) for c in cot])
+            lead = zip(cot, call.lead, strict=True)  # a 1 that took the batch: (1, ...) now
+            (g,) = back(up + [c if call.shared or le else c.unsqueeze(0) for c, le in lead])
             return g  # type: ignore[no-any-return]
 
         xs = [t for t, isb in zip(arg_leaves, batched, strict=True) if isb]
@@ -277,6 +279,25 @@ class Vmapped(Layer):
         with contextlib.nullcontext() if compiling() else rerunning(call.root, modules):
             g = vmap(one, in_dims=in_dims, randomness="same")(own, call.grads, in_cots, outs, *xs)
         return {call.names[o]: v for o, v in g.items()}
+
+
+def _refuse_cache(call: Call) -> None:
+    """A Hugging Face cache among a rerun module's arguments: the tap pass filled it, and
+    the rerun would add its keys and values again (an error, or with one sample, attention
+    over twice the keys)."""
+    for v in [*call.args, *call.kwargs.values()]:
+        if any(
+            c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils"
+            for c in type(v).__mro__
+        ):
+            raise ValueError(
+                f"fg.ghost_clip: the module '{module_path(call.names)}' "
+                f"({type(call.module).__name__}) has no per-sample rule and reruns for every "
+                f"sample, but it was called with a transformers cache ({type(v).__name__}), "
+                "which the rerun would fill a second time. Call the model with "
+                "use_cache=False to train (fg.call(model, p, ..., use_cache=False)), or "
+                "use per_sample=fg.clip_by_global_norm(max_norm)."
+            )
 
 
 def adopt_read_directly(calls: list[Call], params: Params) -> None:

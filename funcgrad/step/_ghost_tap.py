@@ -27,6 +27,7 @@ from .. import _compat
 from .._compat import tree_flatten, tree_unflatten
 from ..model._errors import PER_SAMPLE_BATCHNORM
 from ..model._model import lock_of
+from ._ghost_adoption import Adoption
 
 Shapes = list[list[tuple[tuple[int, ...], torch.dtype]]]
 """The tapped tensors' shapes and dtypes, one list per tapped call, in order."""
@@ -95,7 +96,8 @@ class Call:
         self.children: list[Child] | None = None
         self.root = module  # the module the loss called (fg.call's), this one within it
         self.shared = False  # called without the batch (a positional embedding on arange)
-        self.lead = False  # shared, its outputs lead with a 1 that takes the batch
+        self.lead: tuple[bool, ...] = ()  # per output: the same for every sample, led by
+        # a 1 that takes the batch (a shared call's, or T5's position bias beside a batch)
         self.leaves: list[Any] = []  # (args, kwargs) flattened, while torch.func unwraps
         self.spec: Any = None
 
@@ -120,13 +122,16 @@ class _Tap(threading.local):
         self.shapes: Shapes | None = None
         self.kinds: list[str] = []  # the probe's entries' kinds (OUT, IN)
         self.owners: list[str] = []  # the probe's entries: each module's path
+        self.callers: list[tuple[nn.Module, nn.Module | None]] = []  # the probe's OUT
+        # entries: the module, and the module whose call made it (None: the loss)
+        self.adoption = Adoption()
         self.reached: set[str] = set()  # the probe's: parameters reached by their calls
         self.zs: Sequence[Tensor] = ()
         self.used = 0
         self.calls: list[Call] | None = None
         self.entries: list[Call | Child] = []  # the tap pass's records, in call order
         self.at = 0  # the plan entry the tap pass is at
-        self.plan: Sequence[tuple[bool, bool, str]] = ()  # per entry: shared, lead, kind
+        self.plan: Sequence[tuple[bool, tuple[bool, ...], str]] = ()  # shared, lead, kind
         self.batch = 0
         self.stack: list[_Frame | None] = []
         self.stub: list[tuple[nn.Module, Child, list[Tensor]]] = []  # "stub": each call's
@@ -134,10 +139,18 @@ class _Tap(threading.local):
 
 
 _TAP = _Tap()
+_NO_ADOPTION = Adoption()
 
 
 def _trained(module: nn.Module) -> dict[str, str]:
-    """The module's own parameters that are trained: own name -> name in the params."""
+    """The module's trained parameters, own name -> name in the params: its own, and
+    those of the modules it adopted (``child.weight``); none for an adopted module."""
+    if id(module) in _TAP.adoption.given:
+        return {}
+    return _owned(module)
+
+
+def _owned(module: nn.Module) -> dict[str, str]:
     out: dict[str, str] = {}
     for own, p in module._parameters.items():
         if p is None:
@@ -146,7 +159,16 @@ def _trained(module: nn.Module) -> dict[str, str]:
             if t is p:
                 out[own] = name
                 break
+    for path, child in _TAP.adoption.adopted.get(id(module), ()):
+        for own, name in _owned(child).items():
+            out[f"{path}.{own}"] = name
     return out
+
+
+def _caller() -> nn.Module | None:
+    """The module whose call is in progress below the one ending (None: the loss)."""
+    frame = _TAP.stack[-1] if _TAP.stack else None
+    return None if frame is None else frame.module
 
 
 def _pre_hook(module: nn.Module, args: Any) -> Any:
@@ -162,7 +184,10 @@ def _pre_hook(module: nn.Module, args: Any) -> Any:
         return None
     parent = stack[-1] if stack else None
     names = _trained(module)
-    frame = _Frame(module, names, bool(names) and next(module.children(), None) is not None)
+    parent_of = id(module) not in _TAP.adoption.adopted  # (an adopter reruns whole)
+    frame = _Frame(
+        module, names, parent_of and bool(names) and next(module.children(), None) is not None
+    )
     stack.append(frame)
     if parent is None or parent.children is None:
         return None
@@ -202,6 +227,8 @@ def _hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if frame is not None:
             _TAP.stack.append(frame)
         frame = _Frame(module, _trained(module), False)
+    if id(module) in _TAP.adoption.given:
+        _TAP.adoption.check(module, _caller())
     child = frame.record
     if child is not None and mode == "tap":
         kw, _ = tree_flatten(kwargs)
@@ -234,15 +261,19 @@ def _tapped_output(module: nn.Module, frame: _Frame, kwargs: Any, args: Any, out
         _TAP.shapes.append([(tuple(leaves[i].shape), leaves[i].dtype) for i in slots])
         _TAP.kinds.append(OUT)
         _TAP.owners.append(module_path(names))
+        _TAP.callers.append((module, _caller()))
         _TAP.reached.update(names.values())
-        if index < len(_TAP.plan) and _TAP.plan[index][0]:  # as the tap pass will: batched
-            new = list(leaves)
-            lead = broadcast_lead([tuple(leaves[i].shape) for i in slots])
-            for i in slots:
-                shape = leaves[i].shape[1:] if lead else leaves[i].shape
+        if index >= len(_TAP.plan):
+            return None
+        shared, lead, _ = _TAP.plan[index]
+        if not (shared or any(lead)):
+            return None
+        new = list(leaves)  # as the tap pass will: with the batch
+        for i, le in zip(slots, lead, strict=True):
+            if le or shared:
+                shape = leaves[i].shape[1:] if le else leaves[i].shape
                 new[i] = leaves[i].expand(_TAP.batch, *shape)
-            return tree_unflatten(new, spec)
-        return None
+        return tree_unflatten(new, spec)
     assert _TAP.calls is not None
     shared, lead, _ = _TAP.plan[_TAP.at]
     _TAP.at += 1
@@ -387,8 +418,15 @@ def hooked() -> _Installed:
 class Passing:
     """Set the thread's pass for the block; always reset after it."""
 
-    def __init__(self, mode: str, named: Sequence[tuple[str, Tensor]], batch: int) -> None:
+    def __init__(
+        self,
+        mode: str,
+        named: Sequence[tuple[str, Tensor]],
+        batch: int,
+        adoption: Adoption | None = None,
+    ) -> None:
         self.mode, self.named, self.batch = mode, named, batch
+        self.adoption = Adoption() if adoption is None else adoption
 
     def __enter__(self) -> _Tap:
         if _TAP.mode is not None:
@@ -399,8 +437,10 @@ class Passing:
             )
         _TAP.mode, _TAP.named, _TAP.batch, _TAP.used = self.mode, self.named, self.batch, 0
         _TAP.stack, _TAP.entries, _TAP.at, _TAP.kinds, _TAP.reached = [], [], 0, [], set()
+        _TAP.adoption, _TAP.callers = self.adoption, []
         return _TAP
 
     def __exit__(self, *exc: object) -> None:
         _TAP.mode, _TAP.named, _TAP.shapes, _TAP.zs, _TAP.calls = None, (), None, (), None
         _TAP.used, _TAP.plan, _TAP.stack, _TAP.entries, _TAP.at = 0, (), [], [], 0
+        _TAP.adoption, _TAP.callers = _NO_ADOPTION, []

@@ -1,9 +1,10 @@
 """fg.ghost_clip on Hugging Face models built from tiny configs (random weights, nothing
 downloaded): GPT-2, BERT and Llama call their position embeddings on ``arange(T)[None]``
 (a ``(1, T, d)`` output shared by the samples), which failed inside transformers (#50).
-Each equals the vmap path (``per_sample=fg.clip_by_global_norm``) in float64; T5's
-relative position bias, a shared ``(T, T, heads)`` output the model then permutes, is
-refused with funcgrad's own error naming the module. Run by ``make test-integrations``."""
+Each equals the vmap path (``per_sample=fg.clip_by_global_norm``) in float64, T5 too:
+its relative position bias, a shared ``(T, T, heads)`` output the model then permutes
+(refused before), goes to the attention module that calls it, whose vmap fallback gives
+its per-sample gradients. Run by ``make test-integrations``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import transformers as tf
 
 import funcgrad as fg
-from funcgrad.step import _ghost, _ghost_layers
+from funcgrad.step import _ghost, _ghost_layers, _ghost_tap
 from funcgrad.step._ghost import ghost_gradients
 
 C = 0.5
@@ -56,7 +57,7 @@ def loss_of(kind: str, m: torch.nn.Module):
     def loss(p, ids, y):
         if kind == "bert":
             return torch.nn.functional.cross_entropy(fg.call(m, p, input_ids=ids).logits, y)
-        extra = {"decoder_input_ids": ids} if kind == "t5" else {}
+        extra = {"decoder_input_ids": ids, "use_cache": False} if kind == "t5" else {}
         out = fg.call(m, p, input_ids=ids, **extra).logits
         return torch.nn.functional.cross_entropy(out.reshape(-1, V), ids.reshape(-1))
 
@@ -68,11 +69,16 @@ def data():
     return torch.randint(0, V, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+FALLBACKS = {"gpt2": set(), "bert": set(), "llama": {"LlamaRMSNorm"},
+             "t5": {"T5LayerNorm", "T5Attention"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "t5"])
 def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
     """Equal to the vmap path; every module on a native rule (GPT-2's Conv1D
-    projections as transposed Linears) but Llama's own RMSNorm, which falls back to a
-    vmap over that module alone (a small one)."""
+    projections as transposed Linears) but the models' own norms, which fall back to a
+    vmap over that module alone (a small one), and T5's two attention modules that own
+    a relative position bias (encoder's and decoder's first), which adopt it."""
     taken = []
     real = _ghost.layer_of
     monkeypatch.setattr(
@@ -94,21 +100,37 @@ def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
         for layer in taken
         if isinstance(layer, _ghost_layers.Vmapped)
     ]
-    assert taken and set(fallbacks) == ({"LlamaRMSNorm"} if kind == "llama" else set())
+    assert taken and set(fallbacks) == FALLBACKS[kind]
+    adopters = sorted(
+        module for layer in taken for module in [_ghost_tap.module_path(layer.call.names)]
+        if any("relative_attention_bias" in own for own in layer.call.names)
+    )  # fmt: skip
+    assert adopters == (
+        [f"{s}.block.0.layer.0.SelfAttention" for s in ("decoder", "encoder")]
+        if kind == "t5" else []
+    )  # fmt: skip
 
 
-def test_t5_relative_bias_is_refused_naming_the_module():
+def test_t5_with_its_cache_is_refused_naming_the_way_out():
+    """A transformers cache the tap pass filled would be filled again by the rerun of an
+    adopting attention module (use_cache defaults to True, in training too)."""
     m = model("t5")
     params = {k: v.detach() for k, v in m.named_parameters()}
     ids, y = data()
+
+    def loss(p, ids, y):
+        out = fg.call(m, p, input_ids=ids, decoder_input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(out.reshape(-1, V), ids.reshape(-1))
+
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "fg.ghost_clip: the module 'encoder.block.0.layer.0.SelfAttention."
-            "relative_attention_bias' runs without the batch"
+            "fg.ghost_clip: the module 'decoder.block.0.layer.0.SelfAttention' (T5Attention) "
+            "has no per-sample rule and reruns for every sample, but it was called with a "
+            "transformers cache"
         ),
     ):
-        ghost_gradients(loss_of("t5", m), False, C, "mean")(params, ids, y)
+        ghost_gradients(loss, False, C, "mean")(params, ids, y)
 
 
 def test_compiled_ghost_step_on_gpt2_is_one_graph_equal_to_eager():
