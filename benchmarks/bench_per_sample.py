@@ -12,8 +12,10 @@ alone, each in a fresh subprocess (CPU: no allocator statistics; Linux's VmHWM).
 Targets (issue "ghost_clip"): ghost <= 0.5x vmap and <= 2x plain on the MLP; <= 2x plain
 on the GPT and the CNN; peak memory <= 1.5x the plain step's.
 
-Hugging Face GPT-2 and BERT (``--models hf-gpt2,hf-bert``; needs transformers): the
-same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16), random weights.
+Hugging Face GPT-2, BERT and T5 (``--models hf-gpt2,hf-bert,hf-t5``; needs
+transformers): the same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16;
+T5: 2 layers each side, the tokens as encoder and decoder input), random weights;
+``hf-gpt2@768x4x128``: dim 768 (GPT-2 small's width, 12 heads), 4 layers, 128 tokens.
 ``vit``: timm's VisionTransformer form (the root owns ``cls_token`` and ``pos_embed``:
 ghost clipping's fallback for the root), 32x32 images in 4x4 patches, 2 blocks, dim
 128, batch 16; ``vit-frozen``: the same with those two frozen (no fallback at all).
@@ -28,7 +30,7 @@ Python loop over samples, vmap eager, vmap compiled (target: vmap at least 10x f
 than the loop).
 
 Run: python benchmarks/bench_per_sample.py [--quick] [--part clip|rule]
-     [--models mlp,gpt,cnn,hf-gpt2,hf-bert,vit,vit-frozen,timm-vit,...]
+     [--models mlp,gpt,cnn,hf-gpt2,hf-bert,hf-t5,vit,vit-frozen,timm-vit,...]
 """
 
 from __future__ import annotations
@@ -143,15 +145,19 @@ def build(name: str):
             return nn.functional.cross_entropy(fg.call(model, p, x), y)
 
         return model, loss, batch
-    if name in ("hf-gpt2", "hf-bert"):  # Hugging Face's own code, random weights
-        model = hf_model(name[3:]).eval()
-        idx = torch.randint(0, 65, (16, 65))
+    kind, _, size = name.partition("@")  # hf-gpt2@768x4x128: dim, layers, tokens
+    if kind in ("hf-gpt2", "hf-bert", "hf-t5"):  # Hugging Face's own code, random weights
+        dim, layers, tokens = (int(v) for v in size.split("x")) if size else (128, 2, 64)
+        model = hf_model(kind[3:], dim, layers, tokens).eval()
+        idx = torch.randint(0, 65, (16, tokens + 1))
+        t5 = kind == "hf-t5"  # the tokens in, to the encoder and the decoder
 
         def hf_loss(p, x, y):
-            out = fg.call(model, p, input_ids=x).logits
+            extra = {"decoder_input_ids": x, "use_cache": False} if t5 else {}
+            out = fg.call(model, p, input_ids=x, **extra).logits
             return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-        if name == "hf-bert":  # a label per sequence
+        if kind == "hf-bert":  # a label per sequence
             return model, hf_loss, (idx[:, :-1], torch.randint(0, 10, (16,)))
         return model, hf_loss, (idx[:, :-1], idx[:, 1:])
     if name in ("vit", "vit-frozen"):
@@ -284,7 +290,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
-        "--models", default="mlp,gpt,cnn", help="also hf-gpt2, hf-bert, vit, vit-frozen"
+        "--models", default="mlp,gpt,cnn", help="also hf-gpt2, hf-bert, hf-t5, vit, vit-frozen"
     )
     ap.add_argument("--part", choices=("clip", "rule"), default="clip")
     ap.add_argument("--batch", type=int, default=64, help="--part rule")

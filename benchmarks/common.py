@@ -155,23 +155,32 @@ def gpt_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def hf_model(name: str) -> nn.Module:
-    """Tiny Hugging Face ``"gpt2"`` (LM head, tied embeddings) or ``"bert"`` (sequence
-    classification, 10 labels) from configs: 2 layers, dim 128, 64 positions, vocabulary
-    65, no dropout, random weights (nothing downloaded)."""
+def hf_model(name: str, dim: int = 128, layers: int = 2, positions: int = 64) -> nn.Module:
+    """Tiny Hugging Face ``"gpt2"`` (LM head, tied embeddings), ``"bert"`` (sequence
+    classification, 10 labels) or ``"t5"`` (encoder-decoder, LM head) from configs: by
+    default 2 layers (each side), dim 128, 64 positions; heads of 32 (at most 64 wide:
+    dim 768 has 12), feed-forward 4 x dim, vocabulary 65, no dropout, random weights
+    (nothing downloaded)."""
     import transformers as tf
 
     torch.manual_seed(0)
+    heads = max(4, dim // 64)
+    if name == "t5":
+        return tf.T5ForConditionalGeneration(
+            tf.T5Config(vocab_size=65, d_model=dim, d_kv=dim // heads, d_ff=4 * dim,
+                        num_layers=layers, num_decoder_layers=layers, num_heads=heads,
+                        dropout_rate=0.0)
+        )  # fmt: skip
     if name == "gpt2":
         return tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=65, n_positions=64, n_embd=128, n_layer=2, n_head=4,
-                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+            tf.GPT2Config(vocab_size=65, n_positions=positions, n_embd=dim, n_layer=layers,
+                          n_head=heads, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                           bos_token_id=0, eos_token_id=0)
         )  # fmt: skip
     return tf.BertForSequenceClassification(
-        tf.BertConfig(vocab_size=65, hidden_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, intermediate_size=512,
-                      max_position_embeddings=64, hidden_dropout_prob=0.0,
+        tf.BertConfig(vocab_size=65, hidden_size=dim, num_hidden_layers=layers,
+                      num_attention_heads=heads, intermediate_size=4 * dim,
+                      max_position_embeddings=positions, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, num_labels=10)
     )  # fmt: skip
 

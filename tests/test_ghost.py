@@ -734,11 +734,39 @@ def test_a_shared_grid_the_loss_permutes_itself_is_refused_naming_the_module():
 def test_an_adopted_module_called_by_another_module_too_is_refused():
     """Its per-sample gradients come from its adopter's rerun, which would miss the
     other module's use."""
-    _refused(
-        RelativeBias(twice=True).double(), ValueError,
-        "fg.ghost_clip: the module Embedding runs without the batch and its output cannot "
-        "take it", torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,)),
-    )  # fmt: skip
+    msg = "fg.ghost_clip: the module Embedding runs without the batch and its output"
+    x, y = torch.randint(0, 9, (4, 5)), torch.randint(0, 3, (4,))
+    _refused(RelativeBias(twice=True).double(), ValueError, msg, x, y)
+
+
+def test_a_rerun_module_given_a_transformers_cache_is_refused():
+    """A Hugging Face cache the tap pass filled would be filled again by the rerun (a
+    stand-in of transformers' class here; tests/integrations/test_hf_ghost.py has T5's)."""
+    cache = type("Cache", (), {"__module__": "transformers.cache_utils"})()
+
+    class Cached(Scaled):  # a fallback module (a parameter of its own) taking the cache
+        def forward(self, x, cache=None):
+            return self.inner(x) * self.scale
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.att, self.head = Cached(4), nn.Linear(4, 3)
+
+        def forward(self, x, cache=None):
+            return self.head(self.att(x, cache=cache))
+
+    model = Outer().double()
+
+    def loss(p, x, y):
+        return nn.functional.cross_entropy(fg.call(model, p, x, cache=cache), y)
+
+    msg = "fg.ghost_clip: the module 'att' (Cached) has no per-sample rule"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        ghost_gradients(loss, False, C, "mean")(
+            fg.params(model).views(), torch.randn(4, 4, dtype=torch.float64),
+            torch.randint(0, 3, (4,)),
+        )  # fmt: skip
 
 
 class Block(nn.Module):

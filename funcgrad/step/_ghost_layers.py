@@ -290,8 +290,9 @@ def _refuse_cache(call: Call) -> None:
             c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils"
             for c in type(v).__mro__
         ):
+            path = module_path(call.names)
             raise ValueError(
-                f"fg.ghost_clip: the module '{module_path(call.names)}' "
+                f"fg.ghost_clip: {f'the module {path!r}' if path else 'the root module'} "
                 f"({type(call.module).__name__}) has no per-sample rule and reruns for every "
                 f"sample, but it was called with a transformers cache ({type(v).__name__}), "
                 "which the rerun would fill a second time. Call the model with "
@@ -353,6 +354,8 @@ def report_fallbacks(layers: list[Layer], params: Params, told: set[str]) -> Non
 def layer_of(call: Call, n: int) -> Layer:
     """The fastest exact rule for this call's module (else :class:`Vmapped`)."""
     m, args = call.module, call.args
+    from ._ghost_hf import ScaleNorm, hf_conv1d, hf_scale_norm  # (they build on Layer, here)
+
     if type(m) is nn.MultiheadAttention:
         from ._ghost_attention import attention_layer  # (it builds on _Matmul, here)
 
@@ -365,7 +368,7 @@ def layer_of(call: Call, n: int) -> Layer:
     b = call.grads[0]
     if call.shared:  # what each sample saw: the same input
         x = x.expand(n, *x.shape)
-    if type(m) is nn.Linear or _hf_conv1d(m):
+    if type(m) is nn.Linear or hf_conv1d(m):
         weight = m._parameters["weight"]
         assert weight is not None
         return _Matmul(call, n, x.reshape(n, -1, x.shape[-1]), b.reshape(n, -1, b.shape[-1]),
@@ -421,21 +424,6 @@ def layer_of(call: Call, n: int) -> Layer:
     if type(m) is nn.GroupNorm and m.affine and x.dim() >= 2:
         xhat = F.group_norm(x, m.num_groups, None, None, m.eps)
         return _Affine(call, n, xhat, b, tuple(range(2, x.dim())))
+    if hf_scale_norm(m, x, b):
+        return ScaleNorm(call, n, x, b)
     return Vmapped(call, n)
-
-
-def _hf_conv1d(m: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2's projections): ``addmm(bias, x, weight)`` with the
-    weight stored ``[in, out]``, a Linear with the weight transposed. Known by its class
-    (transformers is not imported for it) and checked by its shapes."""
-    cls = type(m)
-    w, bias = m._parameters.get("weight"), m._parameters.get("bias")
-    return (
-        cls.__name__ == "Conv1D"
-        and cls.__module__ == "transformers.pytorch_utils"
-        and w is not None
-        and bias is not None
-        and w.dim() == 2
-        and tuple(w.shape) == (getattr(m, "nx", None), getattr(m, "nf", None))
-        and tuple(bias.shape) == (w.shape[1],)
-    )

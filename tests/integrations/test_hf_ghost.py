@@ -17,6 +17,7 @@ import transformers as tf
 import funcgrad as fg
 from funcgrad.step import _ghost, _ghost_layers, _ghost_tap
 from funcgrad.step._ghost import ghost_gradients
+from funcgrad.step._ghost_hf import ScaleNorm
 
 C = 0.5
 V = 50
@@ -44,6 +45,13 @@ def model(kind: str) -> torch.nn.Module:
             bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         m = tf.LlamaForCausalLM(cfg)
+    elif kind == "gemma":  # its RMS norm scales by 1 + weight
+        cfg = tf.GemmaConfig(
+            vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        m = tf.GemmaForCausalLM(cfg)
     else:
         cfg = tf.T5Config(
             vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
@@ -69,16 +77,17 @@ def data():
     return torch.randint(0, V, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
-FALLBACKS = {"gpt2": set(), "bert": set(), "llama": {"LlamaRMSNorm"},
-             "t5": {"T5LayerNorm", "T5Attention"}}  # fmt: skip
+FALLBACKS = {"gpt2": set(), "bert": set(), "llama": set(), "t5": {"T5Attention"},
+             "gemma": {"GemmaTextScaledWordEmbedding"}}  # (an Embedding subclass)  # fmt: skip
+NORMS = {"gpt2": 0, "bert": 0, "llama": 5, "gemma": 5, "t5": 7}  # RMS norms: ScaleNorm
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "t5"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gemma", "t5"])
 def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
     """Equal to the vmap path; every module on a native rule (GPT-2's Conv1D
-    projections as transposed Linears) but the models' own norms, which fall back to a
-    vmap over that module alone (a small one), and T5's two attention modules that own
-    a relative position bias (encoder's and decoder's first), which adopt it."""
+    projections as transposed Linears, the models' own RMS norms by one batched vjp
+    of their code) but T5's two attention modules that own a relative position bias
+    (encoder's and decoder's first), which adopt it and take the vmap fallback."""
     taken = []
     real = _ghost.layer_of
     monkeypatch.setattr(
@@ -101,6 +110,7 @@ def test_ghost_clip_equals_the_vmap_path(kind, monkeypatch):
         if isinstance(layer, _ghost_layers.Vmapped)
     ]
     assert taken and set(fallbacks) == FALLBACKS[kind]
+    assert sum(isinstance(layer, ScaleNorm) for layer in taken) == NORMS[kind]
     adopters = sorted(
         module for layer in taken for module in [_ghost_tap.module_path(layer.call.names)]
         if any("relative_attention_bias" in own for own in layer.call.names)
