@@ -961,6 +961,39 @@ def test_two_threads_rerunning_one_model_and_a_plain_forward_beside_them(keyword
     assert model.norm.forward == own
 
 
+def test_two_threads_finding_adoptions_with_one_fresh_step():
+    """The adoptions a ghost step finds (state it keeps between calls) are found by each
+    probe on a copy and cached with the plan: two threads calling one fresh step at
+    once on the T5-form model, with two input shapes, both get what a step of their own
+    gives."""
+    import threading
+
+    model = MODELS["relative-bias-t5-form"][0]
+    params = fg.params(model).views()
+    g = torch.Generator().manual_seed(4)
+    inputs = [(torch.randint(0, 9, (4, t), generator=g), torch.randint(0, 3, (4,), generator=g))
+              for t in (5, 6)]  # fmt: skip
+    want = [ghost_gradients(_loss(model), False, C, "mean")(params, x, y)[0] for x, y in inputs]
+    shared = ghost_gradients(_loss(model), False, C, "mean")
+    start = threading.Barrier(2)
+    got: dict = {}
+
+    def run(i):
+        start.wait()
+        got[i] = [shared(params, *inputs[(i + k) % 2])[0] for k in range(4)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        for k, grads in enumerate(got[i]):
+            for name in grads:
+                torch.testing.assert_close(grads[name], want[(i + k) % 2][name], rtol=1e-12,
+                                           atol=0, msg=name)  # fmt: skip
+
+
 def test_a_parameter_its_module_calls_and_other_code_reads_is_refused():
     """A tied head written as ``h @ emb.weight.T`` next to ``emb(idx)``: the read is
     outside any call of the embedding, so its share of every sample's gradient would be

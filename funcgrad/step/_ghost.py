@@ -165,10 +165,10 @@ def _probe(
     params: Params,
     batch: tuple[Any, ...],
     n: int,
-    cache: dict[Any, Plan],
+    cache: dict[Any, tuple[Plan, Adoption]],
     wide: set[int],
     adoption: Adoption,
-) -> Plan:
+) -> tuple[Plan, Adoption]:
     """What the tap pass will tap, in call order, found by two probe passes at ``n`` and
     ``n + 1`` rows: a dimension that follows the rows is the batch. Eagerly on meta
     tensors, cached in ``cache`` (one per ghost step) by the inputs' signature; traced,
@@ -180,8 +180,9 @@ def _probe(
     makes reads goes into ``wide`` (its fallback reruns its whole subtree).
 
     A shared call whose output the model refuses with the batch in front (T5's relative
-    position bias) goes to the module that made the call (``adoption``), and the probe
-    starts over."""
+    position bias) goes to the module that made the call, and the probe starts over:
+    the plan comes with the adoptions it was found with (``adoption``, plus those; a new
+    object, so that a step's other threads keep theirs)."""
     key = None
     if not compiling():
         key = _signature(params, batch)
@@ -219,9 +220,9 @@ def _probe(
             if meta:
                 meta = False
                 continue
-            if _adopt(plan, settled, callers, adoption):
-                settled, meta = [], not compiling()
-                cache.clear()
+            more = _adopt(plan, settled, callers, adoption)
+            if more is not None:
+                adoption, settled, meta = more, [], not compiling()
                 continue
             _refuse_prepended(err, plan, settled, owners)
             raise
@@ -238,21 +239,20 @@ def _probe(
     if key is not None:
         if len(cache) > 64:  # shapes that keep changing: keep the cache small
             cache.clear()
-        cache[key] = plan
-    return plan
+        cache[key] = (plan, adoption)
+    return plan, adoption
 
 
-def _adopt(plan: Plan, settled: Settled, callers: list[Any], adoption: Adoption) -> bool:
+def _adopt(plan: Plan, settled: Settled, callers: list[Any], adoption: Adoption) -> Adoption | None:
     """The forward failed once the last settled call, shared, got the batch in front:
-    give that module to the module that called it (:class:`Adoption`), if one did."""
+    that module given to the module that called it (:class:`Adoption`), if one did."""
     if not settled or not settled[-1][0] or any(settled[-1][1]):
-        return False
+        return None
     i = len(settled) - 1
     j = sum(e[2] == OUT for e in plan[:i])  # its place among the OUT entries (callers)
     if i >= len(plan) or plan[i][2] != OUT or j >= len(callers) or callers[j][1] is None:
-        return False
-    adoption.adopt(*callers[j])
-    return True
+        return None
+    return adoption.plus(*callers[j])
 
 
 def _refuse_prepended(err: BaseException, plan: Plan, settled: Settled, owners: list[str]) -> None:
@@ -294,9 +294,11 @@ def ghost_gradients(
     """``fn(params, *batch) -> (grads, loss, None, aux)``: the mean over the batch of
     each sample's gradient clipped to ``max_norm`` (see the module docstring); ``loss``
     the mean of the samples' losses; ``aux`` the batch's loss_fn's."""
-    cache: dict[Any, Plan] = {}
+    cache: dict[Any, tuple[Plan, Adoption]] = {}
     wide: set[int] = set()  # id(module): its fallback reruns its whole subtree (_probe)
-    adoption = Adoption()  # calls without the batch given to their callers (_probe)
+    # Calls without the batch given to their callers (_probe): the latest found, where
+    # the next probe starts (a traced one from what the eager check found).
+    adopted = [Adoption()]
     told: set[str] = set()  # the fallbacks already reported by this step
 
     def fn(params: Params, *batch: Any) -> Gradients:
@@ -310,11 +312,13 @@ def ghost_gradients(
         traced with these inputs' structure: the traced probe watches nothing."""
         with _INSTALLED:
             n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
-            _probe(loss_fn, params, batch, n, cache, wide, adoption)
+            adopted[0] = _probe(loss_fn, params, batch, n, cache, wide, adopted[0])[1]
 
     def ghostly(params: Params, *batch: Any) -> Gradients:
         n = next(b.shape[0] for b in batch if isinstance(b, Tensor) and b.dim() > 0)
-        shapes = _probe(loss_fn, params, batch, n, cache, wide, adoption)
+        shapes, adoption = _probe(loss_fn, params, batch, n, cache, wide, adopted[0])
+        if not compiling():
+            adopted[0] = adoption
         if not shapes:
             raise ValueError(
                 "fg.ghost_clip: no module with trained parameters ran in the loss: "

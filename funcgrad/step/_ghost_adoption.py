@@ -13,16 +13,22 @@ class Adoption:
     whose call made it: that module's call owns the adopted module's trained
     parameters (``relative_attention_bias.weight``), and their per-sample gradients come
     from its vmap fallback (``_ghost_layers.Vmapped``), which reruns its whole subtree.
-    Found by the shape probe (``_ghost._probe``), kept by the ghost step."""
+    Found by the shape probe (``_ghost._probe``), kept by the ghost step and with each
+    plan it caches."""
 
     def __init__(self) -> None:
         self.adopted: dict[int, list[tuple[str, nn.Module]]] = {}  # id(adopter): children
         self.given: dict[int, nn.Module] = {}  # id(adopted module): its adopter
 
-    def adopt(self, child: nn.Module, parent: nn.Module) -> None:
+    def plus(self, child: nn.Module, parent: nn.Module) -> Adoption:
+        """These adoptions and ``parent``'s of ``child`` (a new object: a probe in
+        another thread keeps the ones it started with)."""
         path = next(p for p, m in parent.named_modules(remove_duplicate=False) if m is child)
-        self.given[id(child)] = parent
-        self.adopted.setdefault(id(parent), []).append((path, child))
+        out = Adoption()
+        out.given = {**self.given, id(child): parent}
+        out.adopted = {k: list(v) for k, v in self.adopted.items()}
+        out.adopted.setdefault(id(parent), []).append((path, child))
+        return out
 
     def check(self, child: nn.Module, caller: nn.Module | None) -> None:
         """An adopted module called by another than its adopter: that use would be missing

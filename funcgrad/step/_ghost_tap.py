@@ -139,7 +139,6 @@ class _Tap(threading.local):
 
 
 _TAP = _Tap()
-_NO_ADOPTION = Adoption()
 
 
 def _trained(module: nn.Module) -> dict[str, str]:
@@ -443,4 +442,4 @@ class Passing:
     def __exit__(self, *exc: object) -> None:
         _TAP.mode, _TAP.named, _TAP.shapes, _TAP.zs, _TAP.calls = None, (), None, (), None
         _TAP.used, _TAP.plan, _TAP.stack, _TAP.entries, _TAP.at = 0, (), [], [], 0
-        _TAP.adoption, _TAP.callers = _NO_ADOPTION, []
+        _TAP.adoption, _TAP.callers = Adoption(), []
