@@ -15,7 +15,8 @@ on the GPT and the CNN; peak memory <= 1.5x the plain step's.
 Hugging Face GPT-2, BERT and T5 (``--models hf-gpt2,hf-bert,hf-t5``; needs
 transformers): the same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16;
 T5: 2 layers each side, the tokens as encoder and decoder input), random weights;
-``hf-gpt2@768x4x128``: dim 768 (GPT-2 small's width, 12 heads), 4 layers, 128 tokens.
+``hf-gpt2@768x4x128x8192``: dim 768 (GPT-2 small's width, 12 heads), 4 layers, 128
+tokens, a vocabulary of 8192.
 ``vit``: timm's VisionTransformer form (the root owns ``cls_token`` and ``pos_embed``:
 ghost clipping's fallback for the root), 32x32 images in 4x4 patches, 2 blocks, dim
 128, batch 16; ``vit-frozen``: the same with those two frozen (no fallback at all).
@@ -145,11 +146,11 @@ def build(name: str):
             return nn.functional.cross_entropy(fg.call(model, p, x), y)
 
         return model, loss, batch
-    kind, _, size = name.partition("@")  # hf-gpt2@768x4x128: dim, layers, tokens
+    kind, _, size = name.partition("@")  # hf-gpt2@768x4x128x8192: dim, layers, tokens, vocab
     if kind in ("hf-gpt2", "hf-bert", "hf-t5"):  # Hugging Face's own code, random weights
-        dim, layers, tokens = (int(v) for v in size.split("x")) if size else (128, 2, 64)
-        model = hf_model(kind[3:], dim, layers, tokens).eval()
-        idx = torch.randint(0, 65, (16, tokens + 1))
+        dim, layers, tokens, vocab = [int(v) for v in size.split("x")] if size else [128, 2, 64, 65]
+        model = hf_model(kind[3:], dim, layers, tokens, vocab).eval()
+        idx = torch.randint(0, vocab, (16, tokens + 1))
         t5 = kind == "hf-t5"  # the tokens in, to the encoder and the decoder
 
         def hf_loss(p, x, y):

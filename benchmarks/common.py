@@ -155,7 +155,9 @@ def gpt_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def hf_model(name: str, dim: int = 128, layers: int = 2, positions: int = 64) -> nn.Module:
+def hf_model(
+    name: str, dim: int = 128, layers: int = 2, positions: int = 64, vocab: int = 65
+) -> nn.Module:
     """Tiny Hugging Face ``"gpt2"`` (LM head, tied embeddings), ``"bert"`` (sequence
     classification, 10 labels) or ``"t5"`` (encoder-decoder, LM head) from configs: by
     default 2 layers (each side), dim 128, 64 positions; heads of 32 (at most 64 wide:
@@ -167,18 +169,18 @@ def hf_model(name: str, dim: int = 128, layers: int = 2, positions: int = 64) ->
     heads = max(4, dim // 64)
     if name == "t5":
         return tf.T5ForConditionalGeneration(
-            tf.T5Config(vocab_size=65, d_model=dim, d_kv=dim // heads, d_ff=4 * dim,
+            tf.T5Config(vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=4 * dim,
                         num_layers=layers, num_decoder_layers=layers, num_heads=heads,
                         dropout_rate=0.0)
         )  # fmt: skip
     if name == "gpt2":
         return tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=65, n_positions=positions, n_embd=dim, n_layer=layers,
+            tf.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=dim, n_layer=layers,
                           n_head=heads, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
                           bos_token_id=0, eos_token_id=0)
         )  # fmt: skip
     return tf.BertForSequenceClassification(
-        tf.BertConfig(vocab_size=65, hidden_size=dim, num_hidden_layers=layers,
+        tf.BertConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
                       num_attention_heads=heads, intermediate_size=4 * dim,
                       max_position_embeddings=positions, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, num_labels=10)
