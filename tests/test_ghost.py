@@ -136,6 +136,37 @@ class RelativeBias(nn.Module):
         return self.head(h).mean(1)
 
 
+class _Tanh(nn.Module):
+    """A module with no rule of its own (the vmap fallback), its weight given."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return torch.tanh(nn.functional.linear(x, self.weight))
+
+
+class Twice(nn.Module):
+    """Parameters reached by several calls, every pair of the cross terms' forms: a
+    Linear called twice (weight and bias: factors), a LayerNorm and a fallback module
+    called twice (per-sample gradients), and one weight shared by an Embedding (indices,
+    called twice), a Linear with a bias of its own (factors) and a fallback module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.scale = nn.Linear(5, 5), nn.LayerNorm(5), Scaled(5)
+        self.emb = nn.Embedding(5, 5)
+        self.head = nn.Linear(5, 5)
+        self.head.weight = self.emb.weight
+        self.mix = _Tanh(self.emb.weight)
+
+    def forward(self, x):
+        h = self.norm(self.lin(x)) + self.emb((x[:, 0] > 0).long())
+        h = self.scale(self.norm(self.lin(torch.tanh(h)))) + self.emb((x[:, 1] > 0).long())
+        return self.head(self.scale(self.mix(h)))
+
+
 def _eval_bn(model: nn.Module) -> nn.Module:
     """Eval mode, with running statistics and affine parameters that are not 0 and 1."""
     for m in model.modules():
@@ -281,6 +312,10 @@ def _models():
                 torch.randint(0, 9, (6, 5), generator=g),
                 torch.randint(0, 3, (6,), generator=g),
             ),
+        ),
+        "twice-crossed-and-formed": (
+            Twice(),
+            lambda g: (torch.randn(6, 5, generator=g), torch.randint(0, 5, (6,), generator=g)),
         ),
         "tied-twice-padding": (
             Tied(),

@@ -24,9 +24,9 @@ norm ``C`` and averages, as ``per_sample=fg.clip_by_global_norm(C)`` does under
    the gradients ``sum_i c_i g_i / B`` from the same ``a`` and ``b`` (book-keeping: no
    second backward).
 
-A parameter reached by two calls (tied weights, a module applied twice) gets its
-per-sample gradients formed from each call and summed before the norm, as the
-per-sample gradient of the whole loss has it.
+A parameter reached by two calls (tied weights, a module applied twice): its
+per-sample gradient is the sum of the calls', and its norm the norm of that sum
+(``_ghost_sum``: from the calls' factors where their rules have them, else formed).
 
 The shape probe (the ``z``'s shapes) is a forward on meta tensors, cached per input
 signature; traced by ``torch.compile`` it is a forward whose results are unused. The
@@ -44,8 +44,9 @@ from torch import Tensor
 from torch.func import grad
 
 from .._compat import compiling, tree_flatten, tree_unflatten
-from ..core._base import Gradients, LossFn, Params, clip_factor
+from ..core._base import Gradients, LossFn, Params
 from ._ghost_layers import Vmapped, adopt_read_directly, layer_of, report_fallbacks
+from ._ghost_sum import clipped_sum
 from ._ghost_tap import (
     _INSTALLED,
     IN,
@@ -385,11 +386,7 @@ def ghost_gradients(
                 layer.narrow = False
         if not compiling():
             report_fallbacks(layers, params, told)
-        reached: dict[str, int] = {}
-        for c in calls:
-            for name in c.names.values():
-                reached[name] = reached.get(name, 0) + 1
-        missing = sorted(set(params) - set(reached))
+        missing = sorted(set(params) - {name for c in calls for name in c.names.values()})
         if missing:
             raise ValueError(
                 f"fg.ghost_clip: parameters {missing} are not used by any module call "
@@ -401,27 +398,7 @@ def ghost_gradients(
         norms2 = torch.zeros(
             n, dtype=torch.promote_types(first.dtype, torch.float32), device=first.device
         )
-        # A call that shares a parameter with another: its per-sample gradients, summed
-        # over the calls before the norm.
-        shared: dict[str, Tensor] = {}
-        alone = []
-        for layer in layers:
-            if any(reached[k] > 1 for k in layer.call.names.values()):
-                for k, g in layer.per_sample().items():
-                    shared[k] = shared[k] + g if k in shared else g
-            else:
-                alone.append(layer)
-                for v in layer.norms2().values():
-                    norms2 = norms2 + v.to(norms2.dtype)
-        for g in shared.values():
-            norms2 = norms2 + g.flatten(1).square().sum(1).to(norms2.dtype)
-        coef = clip_factor(max_norm, (norms2 * scale**2).sqrt())
-        w = coef * (scale / n)
-        grads: dict[str, Tensor] = {}
-        for layer in alone:
-            grads.update(layer.weighted(w.to(layer.call.grads[0].dtype)))
-        for k, g in shared.items():
-            grads[k] = torch.tensordot(w.to(g.dtype), g, dims=1)
+        grads = clipped_sum(layers, n, max_norm, scale, norms2)
         out = {k: grads[k].to(p.dtype).reshape(p.shape) for k, p in params.items()}
         mean_loss = loss.detach() if reduction == "mean" else loss.detach() / n
         return Gradients(out, mean_loss, None, aux)
