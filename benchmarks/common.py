@@ -43,10 +43,14 @@ Loss = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Ten
 
 
 def example(name: str) -> ModuleType:
-    """``examples/<name>.py`` as a module (loaded once, by file name)."""
+    """``examples/<name>.py`` as a module (loaded once, by file name), with the examples'
+    folder on the path for what they import beside them (``_cli``)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE.parent / "examples" / f"{name}.py")
+    folder = HERE.parent / "examples"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
