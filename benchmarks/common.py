@@ -43,14 +43,13 @@ Loss = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Ten
 
 
 def example(name: str) -> ModuleType:
-    """``examples/<name>.py`` as a module (loaded once, by file name), with the examples'
-    folder on the path for what they import beside them (``_cli``)."""
+    """``examples/<name>.py`` as a module (loaded once, by file name); what the examples
+    import beside them (``examples/_cli.py``) is loaded the same way first."""
     if name in sys.modules:
         return sys.modules[name]
-    folder = HERE.parent / "examples"
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    if name != "_cli":
+        example("_cli")
+    spec = importlib.util.spec_from_file_location(name, HERE.parent / "examples" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
