@@ -28,7 +28,7 @@ class ScaleNorm(Layer):
     def per_sample(self) -> dict[str, Tensor]:
         call, x = self.call, self.x
         w = call.state["weight"]
-        wide = w.reshape(1, *([1] * (x.dim() - 2)), -1).expand(self.n, *([1] * (x.dim() - 2)), -1)
+        wide = w.expand(self.n, *([1] * (x.dim() - 2)), -1)  # [B, 1.., d]
 
         def f(v: Tensor) -> Tensor:
             return functional_call(call.module, {"weight": v}, (x,))  # type: ignore[no-any-return]
