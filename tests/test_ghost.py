@@ -804,6 +804,60 @@ def test_a_rerun_module_given_a_transformers_cache_is_refused():
         )  # fmt: skip
 
 
+def _scaled_embedding(name: str, where: str, buffer: bool) -> type[nn.Embedding]:
+    """A stand-in of Hugging Face's scaled word embeddings (Bart's scale a number,
+    Gemma's a 0-d buffer cast to the weight's dtype), defined in module ``where``."""
+
+    def __init__(self, rows: int, d: int, scale: float) -> None:
+        nn.Embedding.__init__(self, rows, d, padding_idx=0)
+        if buffer:
+            self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+        else:
+            self.embed_scale = scale
+
+    def forward(self, ids):
+        s = self.embed_scale.to(self.weight.dtype) if buffer else self.embed_scale
+        return nn.Embedding.forward(self, ids) * s
+
+    body = {"__init__": __init__, "forward": forward, "__module__": where}
+    return type(name, (nn.Embedding,), body)
+
+
+@pytest.mark.parametrize(
+    "where, buffer, rule",
+    [
+        ("transformers.models.bart.modeling_bart", False, "_Embedding"),
+        ("transformers.models.gemma.modeling_gemma", True, "_Embedding"),
+        ("my_models", True, "Vmapped"),  # not Hugging Face's: its forward is unknown
+    ],
+)
+def test_scaled_word_embeddings_take_the_embedding_rule(where, buffer, rule, monkeypatch):
+    """Hugging Face's scaled word embeddings (an nn.Embedding subclass whose forward
+    multiplies by embed_scale) take the embedding's rule with the output gradient
+    scaled, not the vmap fallback (a vocabulary-sized per-sample gradient); equal to a
+    loop over samples."""
+    from funcgrad.step import _ghost
+
+    cls = _scaled_embedding("FakeScaledWordEmbedding", where, buffer)
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(11, 6, 2.5), nn.Flatten(), nn.Linear(30, 3)).double()
+    taken = []
+    real = _ghost.layer_of
+    monkeypatch.setattr(
+        _ghost, "layer_of", lambda call, n: taken.append(real(call, n)) or taken[-1]
+    )
+    x = torch.randint(0, 11, (6, 5), generator=torch.Generator().manual_seed(1))
+    x[0, :2] = 0  # the padding row: no gradient
+    y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
+    params = fg.params(model).views()
+    ghost, _, _, _ = ghost_gradients(_loss(model), False, C, "mean")(params, x, y)
+    want, norms = _loop_reference(model, params, x, y, C)
+    assert (norms > C).any()
+    for k in want:
+        torch.testing.assert_close(ghost[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+    assert type(taken[0]).__name__ == rule
+
+
 class Block(nn.Module):
     """A residual block that owns no parameter itself (its children do)."""
 

@@ -354,7 +354,7 @@ def report_fallbacks(layers: list[Layer], params: Params, told: set[str]) -> Non
 def layer_of(call: Call, n: int) -> Layer:
     """The fastest exact rule for this call's module (else :class:`Vmapped`)."""
     m, args = call.module, call.args
-    from ._ghost_hf import ScaleNorm, hf_conv1d, hf_scale_norm  # (they build on Layer, here)
+    from ._ghost_hf import ScaleNorm, hf_conv1d, hf_embed_scale, hf_scale_norm  # (on Layer)
 
     if type(m) is nn.MultiheadAttention:
         from ._ghost_attention import attention_layer  # (it builds on _Matmul, here)
@@ -401,6 +401,8 @@ def layer_of(call: Call, n: int) -> Layer:
                        m.weight.shape)  # fmt: skip
     if type(m) is nn.Embedding and not (m.max_norm or m.scale_grad_by_freq or m.sparse):
         return _Embedding(call, n, x, b)
+    if (scale := hf_embed_scale(call, x, b)) is not None:  # Gemma's: the output times a scale
+        return _Embedding(call, n, x, b * scale)
     # Normalization layers: the normalized input from torch's own kernel (the module's
     # forward without its affine part), then the affine part's per-sample gradients.
     if type(m) is nn.LayerNorm and m.elementwise_affine:

@@ -77,8 +77,7 @@ def data():
     return torch.randint(0, V, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
-FALLBACKS = {"gpt2": set(), "bert": set(), "llama": set(), "t5": {"T5Attention"},
-             "gemma": {"GemmaTextScaledWordEmbedding"}}  # (an Embedding subclass)  # fmt: skip
+FALLBACKS = {"gpt2": set(), "bert": set(), "llama": set(), "t5": {"T5Attention"}, "gemma": set()}
 NORMS = {"gpt2": 0, "bert": 0, "llama": 5, "gemma": 5, "t5": 7}  # RMS norms: ScaleNorm
 
 
