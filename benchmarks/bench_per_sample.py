@@ -12,8 +12,8 @@ alone, each in a fresh subprocess (CPU: no allocator statistics; Linux's VmHWM).
 Targets (issue "ghost_clip"): ghost <= 0.5x vmap and <= 2x plain on the MLP; <= 2x plain
 on the GPT and the CNN; peak memory <= 1.5x the plain step's.
 
-Hugging Face GPT-2, BERT and T5 (``--models hf-gpt2,hf-bert,hf-t5``; needs
-transformers): the same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16;
+Hugging Face GPT-2, Gemma, BERT and T5 (``--models hf-gpt2,hf-gemma,hf-bert,hf-t5``;
+needs transformers): the same sizes as the tiny GPT (2 layers, dim 128, 64 tokens, batch 16;
 T5: 2 layers each side, the tokens as encoder and decoder input), random weights;
 ``hf-gpt2@768x4x128x8192``: dim 768 (GPT-2 small's width, 12 heads), 4 layers, 128
 tokens, a vocabulary of 8192.
@@ -31,7 +31,7 @@ Python loop over samples, vmap eager, vmap compiled (target: vmap at least 10x f
 than the loop).
 
 Run: python benchmarks/bench_per_sample.py [--quick] [--part clip|rule]
-     [--models mlp,gpt,cnn,hf-gpt2,hf-bert,hf-t5,vit,vit-frozen,timm-vit,...]
+     [--models mlp,gpt,cnn,hf-gpt2,hf-gemma,hf-bert,hf-t5,vit,vit-frozen,timm-vit,...]
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def build(name: str):
 
         return model, loss, batch
     kind, _, size = name.partition("@")  # hf-gpt2@768x4x128x8192: dim, layers, tokens, vocab
-    if kind in ("hf-gpt2", "hf-bert", "hf-t5"):  # Hugging Face's own code, random weights
+    if kind in ("hf-gpt2", "hf-gemma", "hf-bert", "hf-t5"):  # Hugging Face's code, random weights
         dim, layers, tokens, vocab = [int(v) for v in size.split("x")] if size else [128, 2, 64, 65]
         model = hf_model(kind[3:], dim, layers, tokens, vocab).eval()
         idx = torch.randint(0, vocab, (16, tokens + 1))
@@ -291,7 +291,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
-        "--models", default="mlp,gpt,cnn", help="also hf-gpt2, hf-bert, hf-t5, vit, vit-frozen"
+        "--models",
+        default="mlp,gpt,cnn",
+        help="also hf-gpt2, hf-gemma, hf-bert, hf-t5, vit, vit-frozen",
     )
     ap.add_argument("--part", choices=("clip", "rule"), default="clip")
     ap.add_argument("--batch", type=int, default=64, help="--part rule")

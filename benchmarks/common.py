@@ -161,7 +161,8 @@ def gpt_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def hf_model(
     name: str, dim: int = 128, layers: int = 2, positions: int = 64, vocab: int = 65
 ) -> nn.Module:
-    """Tiny Hugging Face ``"gpt2"`` (LM head, tied embeddings), ``"bert"`` (sequence
+    """Tiny Hugging Face ``"gpt2"`` (LM head, tied embeddings), ``"gemma"`` (the same,
+    Gemma's scaled embedding, RMS norms and one key-value head), ``"bert"`` (sequence
     classification, 10 labels) or ``"t5"`` (encoder-decoder, LM head) from configs: by
     default 2 layers (each side), dim 128, 64 positions; heads of 32 (at most 64 wide:
     dim 768 has 12), feed-forward 4 x dim, vocabulary 65, no dropout, random weights
@@ -175,6 +176,14 @@ def hf_model(
             tf.T5Config(vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=4 * dim,
                         num_layers=layers, num_decoder_layers=layers, num_heads=heads,
                         dropout_rate=0.0)
+        )  # fmt: skip
+    if name == "gemma":
+        return tf.GemmaForCausalLM(
+            tf.GemmaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=1, head_dim=dim // heads,
+                           max_position_embeddings=positions, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0)
         )  # fmt: skip
     if name == "gpt2":
         return tf.GPT2LMHeadModel(
