@@ -61,28 +61,27 @@ def hf_scale_norm(m: nn.Module, x: Tensor, b: Tensor) -> bool:
 def hf_embed_scale(call: Call, x: Tensor, b: Tensor) -> Tensor | float | None:
     """The scale of one of Hugging Face's scaled word embeddings (known by its class: a
     name that ends in ``ScaledWordEmbedding``, in a ``transformers`` module; Gemma's,
-    Bart's, ...): an ``nn.Embedding`` whose forward multiplies its output by
-    ``embed_scale`` (a number, or a 0-d buffer cast to the weight's dtype), the weight
-    its only parameter, no children; ``None`` for any other module. The gradient of the
-    embedding's own output is then ``b`` times that scale (what autograd computes)."""
+    Bart's, ...): ``call``'s module, an ``nn.Embedding`` subclass (without
+    ``max_norm``, ``scale_grad_by_freq``, ``sparse``: ``layer_of`` checked) whose forward
+    multiplies its output by ``embed_scale`` (a number, or a 0-d buffer cast to the
+    weight's dtype), the weight its only parameter, no children; ``None`` for any other
+    module. The gradient of the embedding's own output is then ``b`` times that scale
+    (what autograd computes)."""
     m = call.module
+    assert isinstance(m, nn.Embedding)
     cls = type(m)
-    w = m._parameters.get("weight")
     if not (
-        isinstance(m, nn.Embedding)
-        and cls.__name__.endswith("ScaledWordEmbedding")
+        cls.__name__.endswith("ScaledWordEmbedding")
         and cls.__module__.startswith("transformers.")
         and set(m._parameters) == {"weight"}
         and next(m.children(), None) is None
-        and not (m.max_norm or m.scale_grad_by_freq or m.sparse)
-        and w is not None
         and not x.is_floating_point()
-        and b.shape == (*x.shape, w.shape[1])
+        and b.shape == (*x.shape, m.embedding_dim)
     ):
         return None
     scale = call.state.get("embed_scale", getattr(m, "embed_scale", None))
     if isinstance(scale, Tensor) and scale.dim() == 0:
-        return scale.to(w.dtype)
+        return scale.to(m.weight.dtype)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return scale
     return None

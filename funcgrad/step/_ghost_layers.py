@@ -399,10 +399,11 @@ def layer_of(call: Call, n: int) -> Layer:
         )  # fmt: skip  # [B, Cin k, L]
         return _Matmul(call, n, cols.transpose(1, 2), b.reshape(n, b.shape[1], -1).transpose(1, 2),
                        m.weight.shape)  # fmt: skip
-    if type(m) is nn.Embedding and not (m.max_norm or m.scale_grad_by_freq or m.sparse):
-        return _Embedding(call, n, x, b)
-    if (scale := hf_embed_scale(call, x, b)) is not None:  # Gemma's: the output times a scale
-        return _Embedding(call, n, x, b * scale)
+    if isinstance(m, nn.Embedding) and not (m.max_norm or m.scale_grad_by_freq or m.sparse):
+        if type(m) is nn.Embedding:
+            return _Embedding(call, n, x, b)
+        if (scale := hf_embed_scale(call, x, b)) is not None:  # Gemma's: the output times it
+            return _Embedding(call, n, x, b * scale)
     # Normalization layers: the normalized input from torch's own kernel (the module's
     # forward without its affine part), then the affine part's per-sample gradients.
     if type(m) is nn.LayerNorm and m.elementwise_affine:
