@@ -858,6 +858,27 @@ def test_scaled_word_embeddings_take_the_embedding_rule(where, buffer, rule, mon
     assert type(taken[0]).__name__ == rule
 
 
+def test_a_scaled_word_embedding_compiled_with_inductor_in_one_graph():
+    """compile=True with inductor: the eager ghost step's values (float64), one graph,
+    with the scale a 0-d buffer (Gemma's form) read inside it. (Cold, dynamo restarts
+    this frame's analysis once, from its pass that turns Python scalars into tensors:
+    the backend sees an empty graph first, so graphs are counted, not frames.)"""
+    from torch._dynamo.utils import counters
+
+    cls = _scaled_embedding("FakeScaledWordEmbedding", "transformers.models.gemma.x", True)
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(11, 6, 2.5), nn.Flatten(), nn.Linear(30, 3)).double()
+    x = torch.randint(0, 11, (6, 5), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
+    want = _three_adam_steps(model, x, y, False)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _three_adam_steps(model, x, y, {"backend": "inductor"})
+    assert counters["stats"]["unique_graphs"] == 1
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
 class Block(nn.Module):
     """A residual block that owns no parameter itself (its children do)."""
 
